@@ -1,0 +1,57 @@
+import pytest
+
+from trl_a3po import A3POConfig
+
+
+def make(tmp_path, **kwargs):
+    defaults = dict(output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=4, use_cpu=True,
+                    report_to="none")
+    return A3POConfig(**{**defaults, **kwargs})
+
+
+def test_defaults(tmp_path):
+    args = make(tmp_path)
+    assert args.prox_logp_method == "loglinear"
+    assert args.use_decoupled_loss is True
+    assert args.behav_imp_weight_cap == 5.0
+    assert args.dual_clip_c is None
+    # the behaviour weight replaces TRL's vLLM IS correction; the coupled baseline keeps TRL's default
+    assert args.vllm_importance_sampling_correction is False
+    assert make(tmp_path, use_decoupled_loss=False).vllm_importance_sampling_correction is True
+
+
+def test_every_field_has_help():
+    import dataclasses
+
+    for f in dataclasses.fields(A3POConfig):
+        if f.name in ("prox_logp_method", "use_decoupled_loss", "behav_imp_weight_cap", "dual_clip_c",
+                      "vllm_importance_sampling_correction"):
+            assert f.metadata.get("help"), f.name
+
+
+@pytest.mark.parametrize(
+    "kwargs,pattern",
+    [
+        (dict(prox_logp_method="exact"), r"prox_logp_method='exact'.*loglinear"),
+        (dict(behav_imp_weight_cap=1.0), r"behav_imp_weight_cap=1.0.*> 1"),
+        (dict(behav_imp_weight_cap=-3.0), r"behav_imp_weight_cap"),
+        (dict(dual_clip_c=0.5), r"dual_clip_c=0.5 must be > 1"),
+        (dict(loss_type="cispo"), r"A3POConfig.loss_type: loss_type='cispo'"),
+        (dict(loss_type="sapo"), r"A3POConfig.loss_type"),
+        (dict(loss_type="vespo"), r"A3POConfig.loss_type"),
+        (dict(importance_sampling_level="sequence", loss_type="grpo"), r"A3POConfig.importance_sampling_level"),
+        (dict(vllm_importance_sampling_correction=True), r"A3POConfig.vllm_importance_sampling_correction"),
+        (dict(delta=2.0), r"A3POConfig.delta: use dual_clip_c"),
+        (dict(top_entropy_quantile=0.5), r"A3POConfig.top_entropy_quantile"),
+        (dict(entropy_coef=0.01), r"A3POConfig.entropy_coef"),
+        (dict(off_policy_mask_threshold=0.5), r"A3POConfig.off_policy_mask_threshold"),
+    ],
+)
+def test_bad_values_name_the_field(tmp_path, kwargs, pattern):
+    with pytest.raises(ValueError, match=pattern):
+        make(tmp_path, **kwargs)
+
+
+def test_coupled_mode_accepts_trl_only_loss_types(tmp_path):
+    # use_decoupled_loss=False is plain GRPO: every TRL loss type stays available
+    assert make(tmp_path, use_decoupled_loss=False, loss_type="cispo").loss_type == "cispo"

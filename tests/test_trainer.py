@@ -1,0 +1,238 @@
+"""A3POTrainer end to end on a tiny model: loss equivalences, forward counts, metrics, LoRA, errors."""
+
+import pytest
+import torch
+from conftest import digit_reward, make_model
+from trl import GRPOConfig, GRPOTrainer
+
+from trl_a3po import A3POConfig, A3POTrainer
+
+COMMON = dict(
+    per_device_train_batch_size=4,
+    num_generations=4,
+    max_completion_length=8,
+    logging_steps=1,
+    report_to="none",
+    use_cpu=True,
+    save_strategy="no",
+    seed=0,
+    learning_rate=1e-3,
+    bf16=False,  # transformers 5 defaults to bf16 autocast, even on CPU: fp32 keeps the checks tight
+)
+
+
+def make_trainer(tmp_path, tokenizer, dataset, trainer_cls=A3POTrainer, config_cls=A3POConfig, model=None, **kwargs):
+    args = config_cls(output_dir=str(tmp_path), **{**COMMON, **kwargs})
+    return trainer_cls(
+        model=model if model is not None else make_model(tokenizer),
+        reward_funcs=digit_reward,
+        args=args,
+        train_dataset=dataset,
+        processing_class=tokenizer,
+    )
+
+
+def count_logp_forwards(trainer):
+    """Wrap the trainer's log-prob forward; count calls with and without autograd."""
+    counts = {"grad": 0, "no_grad": 0}
+    original = trainer._get_per_token_logps_and_entropies
+
+    def counted(*args, **kwargs):
+        counts["grad" if torch.is_grad_enabled() else "no_grad"] += 1
+        return original(*args, **kwargs)
+
+    trainer._get_per_token_logps_and_entropies = counted
+    return counts
+
+
+def logged(trainer, key):
+    return [h[key] for h in trainer.state.log_history if key in h]
+
+
+def handmade_batch(trainer, seed=0, behav_noise=0.3):
+    """A micro-batch as `_prepare_inputs` would hand it to the loss, with behaviour log-probs off by noise."""
+    g = torch.Generator().manual_seed(seed)
+    vocab = trainer.model.config.vocab_size
+    prompt_ids = torch.randint(5, vocab, (4, 5), generator=g)
+    prompt_mask = torch.ones_like(prompt_ids)
+    prompt_mask[0, :2] = 0
+    completion_ids = torch.randint(5, vocab, (4, 6), generator=g)
+    completion_mask = torch.ones_like(completion_ids)
+    completion_mask[1, 4:] = 0
+    completion_mask[3, 2:] = 0
+    with torch.no_grad():
+        logp, _, _ = trainer._get_per_token_logps_and_entropies(
+            trainer.model, torch.cat([prompt_ids, completion_ids], 1), torch.cat([prompt_mask, completion_mask], 1), 6
+        )
+    behav = logp + behav_noise * torch.randn(logp.shape, generator=g)
+    return {
+        "prompt_ids": prompt_ids,
+        "prompt_mask": prompt_mask,
+        "completion_ids": completion_ids,
+        "completion_mask": completion_mask,
+        "advantages": torch.tensor([1.0, -0.5, 0.25, -1.5]),
+        "num_items_in_batch": completion_mask.sum(),
+        "sampling_per_token_logps": behav,
+        "old_per_token_logps": behav,  # what GRPOTrainer reads
+        "behavior_version": torch.zeros(4, dtype=torch.long),
+    }
+
+
+def loss_and_grads(trainer, batch):
+    trainer.model.train()
+    trainer.model.zero_grad()
+    trainer.current_gradient_accumulation_steps = 1
+    loss = trainer._compute_loss(trainer.model, batch)
+    loss.backward()
+    grads = torch.cat([p.grad.flatten() for p in trainer.model.parameters() if p.grad is not None])
+    return loss.detach(), grads
+
+
+@pytest.mark.parametrize("loss_type", ["dapo", "grpo", "bnpo", "dr_grpo"])
+def test_decoupled_loss_at_staleness_le_1_equals_grpo_with_behaviour_as_old(tmp_path, tokenizer, prompt_dataset,
+                                                                            loss_type):
+    # d <= 1: prox = behav, w = 1, so the decoupled loss is GRPO's clipped loss with old = behav (no cap hit here).
+    grpo = make_trainer(tmp_path / "g", tokenizer, prompt_dataset, GRPOTrainer, GRPOConfig, loss_type=loss_type)
+    a3po = make_trainer(tmp_path / "a", tokenizer, prompt_dataset, loss_type=loss_type, behav_imp_weight_cap=None)
+    a3po.model.load_state_dict(grpo.model.state_dict())
+    batch = handmade_batch(grpo)
+    for step in (0, 1):
+        grpo.state.global_step = a3po.state.global_step = step
+        loss_g, grad_g = loss_and_grads(grpo, batch)
+        loss_a, grad_a = loss_and_grads(a3po, batch)
+        assert torch.allclose(loss_a, loss_g, atol=1e-6), (loss_a, loss_g)
+        assert torch.allclose(grad_a, grad_g, atol=1e-6)
+
+
+def test_coupled_mode_is_grpotrainer(tmp_path, tokenizer, prompt_dataset):
+    grpo = make_trainer(tmp_path / "g", tokenizer, prompt_dataset, GRPOTrainer, GRPOConfig)
+    sync = make_trainer(tmp_path / "s", tokenizer, prompt_dataset, use_decoupled_loss=False)
+    sync.model.load_state_dict(grpo.model.state_dict())
+    batch = handmade_batch(grpo)
+    loss_g, grad_g = loss_and_grads(grpo, batch)
+    loss_s, grad_s = loss_and_grads(sync, batch)
+    assert torch.allclose(loss_s, loss_g, atol=1e-6)
+    assert torch.allclose(grad_s, grad_g, atol=1e-6)
+
+
+def test_stale_batch_uses_loglinear_prox(tmp_path, tokenizer, prompt_dataset):
+    # d = 4: r = (p_theta / p_behav)^(1/4) and w = (p_theta / p_behav)^(3/4); check the loss value by hand.
+    trainer = make_trainer(tmp_path, tokenizer, prompt_dataset, loss_type="bnpo", behav_imp_weight_cap=None)
+    batch = handmade_batch(trainer, behav_noise=0.05)
+    trainer.state.global_step = 4
+    loss, _ = loss_and_grads(trainer, batch)
+    with torch.no_grad():
+        logp, _, _ = trainer._get_per_token_logps_and_entropies(
+            trainer.model,
+            torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1),
+            torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1),
+            6,
+        )
+    log_ratio = logp - batch["sampling_per_token_logps"]
+    r, w = torch.exp(0.25 * log_ratio), torch.exp(0.75 * log_ratio)
+    adv = batch["advantages"].unsqueeze(1)
+    per_token = -w * torch.min(r * adv, r.clamp(0.8, 1.2) * adv)
+    mask = batch["completion_mask"].float()
+    assert loss.item() == pytest.approx(((per_token * mask).sum() / mask.sum()).item(), abs=1e-6)
+
+
+@pytest.mark.parametrize("method", ["loglinear", "recompute", "metrics"])
+def test_training_runs_counts_forwards_and_logs_metrics(tmp_path, tokenizer, prompt_dataset, method):
+    # 3 optimizer steps per generation batch (gradient_accumulation_steps=1): staleness 0, 1, 2 within each batch.
+    trainer = make_trainer(tmp_path, tokenizer, prompt_dataset, prox_logp_method=method, steps_per_generation=3,
+                           max_steps=6)
+    counts = count_logp_forwards(trainer)
+    before = [p.detach().clone() for p in trainer.model.parameters()]
+    trainer.train()
+
+    assert counts["grad"] == 6  # one training forward per micro-batch
+    assert counts["no_grad"] == {"loglinear": 0, "recompute": 2, "metrics": 2}[method]  # 2 generation batches
+    assert logged(trainer, "a3po/staleness/mean") == [0, 1, 2, 0, 1, 2]
+    assert logged(trainer, "a3po/alpha/mean") == [1, 1, 0.5, 1, 1, 0.5]
+    for key in ("a3po/behav_imp_weight/mean", "a3po/behav_imp_weight/min", "a3po/behav_imp_weight/max",
+                "a3po/capped_frac", "clip_ratio/low_mean", "clip_ratio/high_mean", "a3po/ratio/min",
+                "a3po/ratio/max", "a3po/prox_time_s", "a3po/staleness/max"):
+        assert len(logged(trainer, key)) == 6, key
+    # fresh samples are on-policy: the behaviour weight is 1 up to generate-vs-forward float noise
+    assert logged(trainer, "a3po/behav_imp_weight/mean")[0] == pytest.approx(1.0, abs=1e-5)
+    prox_time = logged(trainer, "a3po/prox_time_s")
+    if method == "loglinear":
+        assert all(t < 0.05 for t in prox_time)
+    else:  # the recompute forward lands in the first step of each generation batch
+        assert prox_time[0] > 0 and prox_time[3] > 0
+    if method == "metrics":
+        errors = logged(trainer, "a3po/prox_error/loglinear/abs")
+        assert len(errors) == 6 and all(e >= 0 for e in errors)
+        assert len(logged(trainer, "a3po/prox_error/linear/abs/d2")) == 2
+        assert len(logged(trainer, "a3po/prox_error/rollout/rel")) == 6
+    after = list(trainer.model.parameters())
+    assert any(not torch.equal(a, b) for a, b in zip(after, before)), "training did not change the weights"
+
+
+def test_grpotrainer_would_pay_a_forward_that_loglinear_skips(tmp_path, tokenizer, prompt_dataset):
+    grpo = make_trainer(tmp_path, tokenizer, prompt_dataset, GRPOTrainer, GRPOConfig, steps_per_generation=3,
+                        max_steps=3)
+    counts = count_logp_forwards(grpo)
+    grpo.train()
+    assert counts == {"grad": 3, "no_grad": 1}
+
+
+def test_behaviour_logprobs_match_a_forward_of_the_generating_weights(tmp_path, tokenizer, prompt_dataset):
+    trainer = make_trainer(tmp_path, tokenizer, prompt_dataset, temperature=0.7)
+    trainer.model.eval()
+    batch = trainer._generate_and_score_completions([{"prompt": p} for p in prompt_dataset["prompt"][:4]])
+    with torch.no_grad():
+        logp, _, _ = trainer._get_per_token_logps_and_entropies(
+            trainer.model,
+            torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1),
+            torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1),
+            batch["completion_ids"].size(1),
+        )
+    mask = batch["completion_mask"].bool()
+    diff = (logp - batch["sampling_per_token_logps"]).abs()[mask]
+    assert diff.max().item() < 1e-5
+    assert batch["behavior_version"].tolist() == [0] * 4
+
+
+def test_nan_behaviour_logprob_names_the_sample(tmp_path, tokenizer, prompt_dataset, monkeypatch):
+    import trl_a3po.trainer as trainer_module
+
+    real = trainer_module.generate_with_behavior_logprobs
+
+    def poisoned(*args, **kwargs):
+        ids, logprobs = real(*args, **kwargs)
+        logprobs[2][1] = float("nan")
+        return ids, logprobs
+
+    monkeypatch.setattr(trainer_module, "generate_with_behavior_logprobs", poisoned)
+    trainer = make_trainer(tmp_path, tokenizer, prompt_dataset, max_steps=1)
+    with pytest.raises(ValueError, match=r"Non-finite behaviour log-prob \(nan\) for sample 2 .* token 1"):
+        trainer.train()
+
+
+def test_requires_a3po_config(tmp_path, tokenizer, prompt_dataset):
+    with pytest.raises(TypeError, match="A3POConfig"):
+        make_trainer(tmp_path, tokenizer, prompt_dataset, config_cls=GRPOConfig)
+
+
+def test_lora_training(tmp_path, tokenizer, prompt_dataset):
+    from peft import LoraConfig
+
+    args = A3POConfig(output_dir=str(tmp_path), steps_per_generation=2, max_steps=2, **COMMON)
+    trainer = A3POTrainer(
+        model=make_model(tokenizer),
+        reward_funcs=digit_reward,
+        args=args,
+        train_dataset=prompt_dataset,
+        processing_class=tokenizer,
+        peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0),
+    )
+    counts = count_logp_forwards(trainer)
+    lora_b = {n: p for n, p in trainer.model.named_parameters() if "lora_B" in n}
+    assert lora_b and all(torch.count_nonzero(p) == 0 for p in lora_b.values())  # PEFT starts B at zero
+    base = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if "lora" not in n}
+    trainer.train()
+    assert counts == {"grad": 2, "no_grad": 0}
+    assert any(torch.count_nonzero(p) > 0 for p in lora_b.values()), "LoRA weights did not move"
+    assert all(torch.equal(p, base[n]) for n, p in trainer.model.named_parameters() if "lora" not in n)
+    assert logged(trainer, "a3po/staleness/mean") == [0, 1]
