@@ -138,9 +138,10 @@ def test_stale_batch_uses_loglinear_prox(tmp_path, tokenizer, prompt_dataset):
 
 @pytest.mark.parametrize("method", ["loglinear", "recompute", "metrics"])
 def test_training_runs_counts_forwards_and_logs_metrics(tmp_path, tokenizer, prompt_dataset, method):
-    # 3 optimizer steps per generation batch (gradient_accumulation_steps=1): staleness 0, 1, 2 within each batch.
+    # Synchronous generation, 3 optimizer steps per generation batch (gradient_accumulation_steps=1): staleness
+    # 0, 1, 2 within each batch, from TRL's own batch reuse.
     trainer = make_trainer(tmp_path, tokenizer, prompt_dataset, prox_logp_method=method, steps_per_generation=3,
-                           max_steps=6)
+                           max_steps=6, async_generation=False)
     counts = count_logp_forwards(trainer)
     before = [p.detach().clone() for p in trainer.model.parameters()]
     trainer.train()
@@ -178,7 +179,7 @@ def test_grpotrainer_would_pay_a_forward_that_loglinear_skips(tmp_path, tokenize
 
 
 def test_behaviour_logprobs_match_a_forward_of_the_generating_weights(tmp_path, tokenizer, prompt_dataset):
-    trainer = make_trainer(tmp_path, tokenizer, prompt_dataset, temperature=0.7)
+    trainer = make_trainer(tmp_path, tokenizer, prompt_dataset, temperature=0.7, async_generation=False)
     trainer.model.eval()
     batch = trainer._generate_and_score_completions([{"prompt": p} for p in prompt_dataset["prompt"][:4]])
     with torch.no_grad():
@@ -205,7 +206,7 @@ def test_nan_behaviour_logprob_names_the_sample(tmp_path, tokenizer, prompt_data
         return ids, logprobs
 
     monkeypatch.setattr(trainer_module, "generate_with_behavior_logprobs", poisoned)
-    trainer = make_trainer(tmp_path, tokenizer, prompt_dataset, max_steps=1)
+    trainer = make_trainer(tmp_path, tokenizer, prompt_dataset, max_steps=1, async_generation=False)
     with pytest.raises(ValueError, match=r"Non-finite behaviour log-prob \(nan\) for sample 2 .* token 1"):
         trainer.train()
 
@@ -218,7 +219,7 @@ def test_requires_a3po_config(tmp_path, tokenizer, prompt_dataset):
 def test_lora_training(tmp_path, tokenizer, prompt_dataset):
     from peft import LoraConfig
 
-    args = A3POConfig(output_dir=str(tmp_path), steps_per_generation=2, max_steps=2, **COMMON)
+    args = A3POConfig(output_dir=str(tmp_path), steps_per_generation=2, max_steps=2, async_generation=False, **COMMON)
     trainer = A3POTrainer(
         model=make_model(tokenizer),
         reward_funcs=digit_reward,

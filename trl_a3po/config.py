@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 from trl import GRPOConfig
 
 PROX_LOGP_METHODS = ("loglinear", "recompute", "metrics")
+ROLLOUT_BACKENDS = ("inprocess", "vllm_server")
+WEIGHT_SYNC_TRANSPORTS = ("auto", "nccl", "disk")
 # Loss types whose per-token objective is the clipped surrogate min(r*A, clip(r)*A); they differ only in how tokens
 # are aggregated, so the decoupled loss can keep TRL's aggregation for each of them.
 DECOUPLED_LOSS_TYPES = ("dapo", "grpo", "dr_grpo", "bnpo")
@@ -65,6 +67,69 @@ class A3POConfig(GRPOConfig):
         },
     )
 
+    async_generation: bool | None = field(
+        default=None,
+        metadata={
+            "help": "Generate the next generation batches in a background producer while the trainer updates the "
+            "policy (asynchronous RL, the point of A-3PO). The staleness this creates is bounded by "
+            "`max_staleness` and corrected by the decoupled loss. False generates each batch when it is needed, "
+            "with the current weights (the synchronous baselines). None (default) = on, except with "
+            "use_decoupled_loss=False or TRL's own use_vllm=True, which are synchronous."
+        },
+    )
+    max_staleness: int | None = field(
+        default=None,
+        metadata={
+            "help": "eta: the largest staleness (optimizer steps between the generating and the trained policy) any "
+            "sample may be trained with; the producer waits rather than exceed it, and nothing is dropped. None = "
+            "the smallest value that lets generation overlap training: the staleness TRL's own batch reuse "
+            "(steps_per_generation, num_iterations) creates, plus one generation batch ahead."
+        },
+    )
+    rollout_backend: str = field(
+        default="inprocess",
+        metadata={
+            "help": "Who generates in asynchronous mode. `inprocess`: a snapshot of the policy in a background "
+            "thread (CPU, one GPU). `vllm_server`: a running vLLM server (`vllm serve`) at vllm_server_base_url or "
+            "vllm_server_host:vllm_server_port, with weights pushed by `weight_sync_transport`.",
+            "choices": list(ROLLOUT_BACKENDS),
+        },
+    )
+    weight_sync_transport: str = field(
+        default="auto",
+        metadata={
+            "help": "How new weights reach a vLLM server. `disk`: safetensors in `weight_sync_dir`, then the server "
+            "reloads them (needs VLLM_SERVER_DEV_MODE=1 on the server; works on CPU and across nodes with a shared "
+            "file system). `nccl`: TRL's collective weight transfer (GPU, `trl vllm-serve`). `auto`: nccl where "
+            "CUDA is available, else disk.",
+            "choices": list(WEIGHT_SYNC_TRANSPORTS),
+        },
+    )
+    weight_sync_dir: str | None = field(
+        default=None,
+        metadata={"help": "Folder for the `disk` transport, readable by the server. None = <output_dir>/weight_sync."},
+    )
+    weight_sync_steps: int = field(
+        default=1,
+        metadata={
+            "help": "Push weights to the generator once at least this many optimizer steps have passed since the "
+            "last push (and always when the staleness bound needs newer weights)."
+        },
+    )
+
+    @property
+    def optimizer_steps_per_generation_batch(self) -> float:
+        return self.steps_per_generation * self.num_iterations / self.gradient_accumulation_steps
+
+    @property
+    def in_batch_staleness(self) -> int:
+        """The staleness TRL's batch reuse alone creates: the optimizer steps between a generation batch's first and
+        last micro-batch (0 when each batch feeds exactly one optimizer step)."""
+        micro = self.steps_per_generation * self.num_iterations
+        accumulation = self.gradient_accumulation_steps
+        # The pattern repeats with period `accumulation` batches.
+        return max(((k + 1) * micro - 1) // accumulation - (k * micro) // accumulation for k in range(accumulation))
+
     def __post_init__(self):
         if self.vllm_importance_sampling_correction is None:
             self.vllm_importance_sampling_correction = not self.use_decoupled_loss
@@ -81,6 +146,7 @@ class A3POConfig(GRPOConfig):
             )
         if self.dual_clip_c is not None and not self.dual_clip_c > 1.0:
             raise ValueError(f"dual_clip_c={self.dual_clip_c} must be > 1 (typically 3.0), or None to disable it.")
+        self._validate_generation()
         if not self.use_decoupled_loss:
             return
 
@@ -123,3 +189,47 @@ class A3POConfig(GRPOConfig):
         for name, (bad, fix) in unsupported.items():
             if bad:
                 raise ValueError(f"A3POConfig.{name}: {fix}.")
+
+    def _validate_generation(self):
+        if self.async_generation is None:
+            self.async_generation = self.use_decoupled_loss and not self.use_vllm
+        if self.rollout_backend not in ROLLOUT_BACKENDS:
+            raise ValueError(f"rollout_backend={self.rollout_backend!r} is not supported; use one of {ROLLOUT_BACKENDS}.")
+        if self.weight_sync_transport not in WEIGHT_SYNC_TRANSPORTS:
+            raise ValueError(
+                f"weight_sync_transport={self.weight_sync_transport!r} is not supported; use one of "
+                f"{WEIGHT_SYNC_TRANSPORTS}."
+            )
+        if self.weight_sync_steps < 1:
+            raise ValueError(f"weight_sync_steps={self.weight_sync_steps} must be >= 1.")
+        needed = self.in_batch_staleness + (1 if self.async_generation else 0)
+        if self.max_staleness is None:
+            self.max_staleness = needed
+        if self.max_staleness < self.in_batch_staleness:
+            raise ValueError(
+                f"max_staleness={self.max_staleness} is below the staleness TRL's batch reuse already creates "
+                f"({self.in_batch_staleness}: steps_per_generation={self.steps_per_generation} x num_iterations="
+                f"{self.num_iterations} micro-batches over gradient_accumulation_steps="
+                f"{self.gradient_accumulation_steps}); set max_staleness >= {needed}."
+            )
+        if self.async_generation and self.max_staleness < needed:
+            raise ValueError(
+                f"max_staleness={self.max_staleness} leaves no room to generate ahead (TRL's batch reuse alone gives "
+                f"staleness {self.in_batch_staleness}); set max_staleness >= {needed}, or async_generation=False."
+            )
+        if self.async_generation:
+            if not self.use_decoupled_loss:
+                raise ValueError(
+                    "async_generation=True trains on stale samples, which the coupled GRPO loss does not correct; "
+                    "set use_decoupled_loss=True, or async_generation=False for the synchronous baseline."
+                )
+            if self.use_vllm:
+                raise ValueError(
+                    "use_vllm=True is TRL's synchronous vLLM integration; for asynchronous generation on a vLLM "
+                    "server set use_vllm=False and rollout_backend='vllm_server' (or async_generation=False)."
+                )
+        elif self.rollout_backend != "inprocess":
+            raise ValueError(
+                f"rollout_backend={self.rollout_backend!r} is the asynchronous producer's; with "
+                "async_generation=False use TRL's own use_vllm=True, vllm_mode='server'."
+            )

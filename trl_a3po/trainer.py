@@ -11,9 +11,14 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import itertools
 import time
 
 import torch
+from accelerate.data_loader import BatchSamplerShard
+from accelerate.utils import is_peft_model
+from torch.utils.data import BatchSampler
+from transformers import AutoModelForCausalLM, TrainerCallback
 from trl import GRPOTrainer
 from trl.extras.profiling import profiling_context
 from trl.models.utils import disable_gradient_checkpointing, unwrap_model_for_generation
@@ -21,7 +26,23 @@ from trl.trainer.utils import nanmax, nanmin
 
 from .config import A3POConfig
 from .proximal import PROX_APPROXIMATIONS, aggregate_loss, approximate_prox_logp, decoupled_ppo_loss, staleness_alpha
-from .rollout import generate_with_behavior_logprobs
+from .rollout import GenerationQueue, InProcessBackend, PolicyWeights, generate_with_behavior_logprobs
+
+
+class _PublishWeights(TrainerCallback):
+    """Brackets every optimizer step so the producer never reads half-updated weights, then publishes the version."""
+
+    def __init__(self, trainer: A3POTrainer):
+        self.trainer = trainer
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        if self.trainer._policy_weights is not None:
+            self.trainer._policy_weights.begin_update()
+
+    def on_optimizer_step(self, args, state, control, **kwargs):
+        if self.trainer._policy_weights is not None:
+            # global_step is incremented right after this callback: the new weights are version global_step + 1.
+            self.trainer._policy_weights.end_update(state.global_step + 1)
 
 
 class A3POTrainer(GRPOTrainer):
@@ -35,10 +56,164 @@ class A3POTrainer(GRPOTrainer):
             raise TypeError(f"A3POTrainer needs an A3POConfig as `args`, got {type(self.args).__name__}.")
         # Seconds spent obtaining proximal log-probs since the last optimizer step (the paper's Figure 1 metric).
         self._prox_seconds = 0.0
+        # Read once: during TRL's scoring `self.args` is a view with an aligned gradient_accumulation_steps (see
+        # `_without_trls_old_logp_forward`), and the producer's schedule must use the real one.
+        self._accumulation_steps = self.args.gradient_accumulation_steps
+        # Asynchronous generation: built at the first training batch, closed when training ends.
+        self._queue: GenerationQueue | None = None
+        self._policy_weights: PolicyWeights | None = None
+        self._prompt_plan = None  # iterator over this process's future generation batches, in the sampler's order
+        self._submitted = 0  # generation batches handed to the producer so far
+        self._taken_versions: list[int] | None = None  # behaviour versions of the batch being scored
+        if self.args.async_generation:
+            if self.tools or self.environment_factories is not None or self.rollout_func is not None:
+                raise ValueError(
+                    "async_generation=True supports single-turn text prompts; tools, environment_factory and "
+                    "rollout_func need async_generation=False."
+                )
+            if isinstance(self.train_dataset, torch.utils.data.IterableDataset):
+                raise ValueError(
+                    "async_generation=True needs a map-style train_dataset (the producer follows the sampler's "
+                    "order ahead of the trainer); convert it, or set async_generation=False."
+                )
+            self.add_callback(_PublishWeights(self))
+
+    # ------------------------------------------------------------------ asynchronous generation
+
+    def train(self, *args, **kwargs):
+        try:
+            return super().train(*args, **kwargs)
+        finally:
+            self._close_queue()
+
+    def _close_queue(self) -> None:
+        if self._queue is not None:
+            self._queue.close()
+        self._queue = self._policy_weights = self._prompt_plan = None
+
+    @property
+    def _micro_steps_per_generation(self) -> int:
+        return self.args.steps_per_generation * self.num_iterations
+
+    def _min_behavior_version(self, index: int) -> int:
+        """The oldest policy version allowed to generate batch `index`: no sample of it may be trained more than
+        max_staleness optimizer steps after the version that generated it."""
+        return max(self._last_train_step(index) - self.args.max_staleness, 0)
+
+    def _last_train_step(self, index: int) -> int:
+        """The optimizer step (global_step) at which the last micro-batch of generation batch `index` is trained."""
+        return ((index + 1) * self._micro_steps_per_generation - 1) // self._accumulation_steps
+
+    def _generation_batches(self, start: int):
+        """This process's generation batches (dataset rows) in the synchronous trainer's order, from `start` on.
+
+        The same sampler, seed and Accelerate sharding as the training dataloader (which yields each generation batch
+        R = steps_per_generation * num_iterations times in a row); the trainer checks every batch against it.
+        """
+        sampler = self._get_train_sampler()
+        per_process = self._train_batch_size * self.args.steps_per_generation
+        batches = BatchSamplerShard(
+            BatchSampler(sampler, per_process, drop_last=self.args.dataloader_drop_last),
+            num_processes=self.accelerator.num_processes,
+            process_index=self.accelerator.process_index,
+            split_batches=False,
+            even_batches=self.accelerator.even_batches,
+        )
+        per_epoch = len(batches) // self._micro_steps_per_generation
+        if per_epoch == 0:
+            raise ValueError("the train dataset is smaller than one generation batch")
+        # Like the Trainer on resume: a fresh sampler, skipping the batches already consumed in the current epoch.
+        skip = start % per_epoch
+        index = start
+        for _epoch in itertools.count():
+            for position, indices in enumerate(batches):
+                if position % self._micro_steps_per_generation:
+                    continue  # a repeat of the generation batch just yielded
+                if skip:
+                    skip -= 1
+                    continue
+                yield index, [self.train_dataset[i] for i in indices]
+                index += 1
+
+    def _start_queue(self, start: int) -> None:
+        model = self.accelerator.unwrap_model(self.model)
+        self._policy_weights = PolicyWeights(self._policy_tensors, version=self.state.global_step)
+        if self.args.rollout_backend == "inprocess":
+            base = model.get_base_model() if is_peft_model(model) else model
+            snapshot = AutoModelForCausalLM.from_config(base.config, dtype=next(base.parameters()).dtype)
+            snapshot.to(self.accelerator.device)
+            backend = InProcessBackend(
+                snapshot,
+                self._policy_weights,
+                self.generation_config,
+                pad_token_id=self._tokenizer.pad_token_id,
+                eos_token_ids=list(self.eos_token_ids),
+            )
+        else:
+            from .rollout.vllm_server import VLLMServerBackend
+
+            backend = VLLMServerBackend.from_config(self.args, self._policy_weights, list(self.eos_token_ids))
+        self._queue = GenerationQueue(backend, self._policy_weights)
+        self._prompt_plan = self._generation_batches(start)
+        self._submitted = start
+
+    def _policy_tensors(self) -> dict[str, torch.Tensor]:
+        """The policy's weights under plain HF names; LoRA adapters merged (W + scale * B @ A) without touching the
+        live model. Called by the producer while the optimizer is held off."""
+        model = self.accelerator.unwrap_model(self.model)
+        if not is_peft_model(model):
+            return {**dict(model.named_parameters()), **dict(model.named_buffers())}
+        from peft.tuners.lora import LoraLayer
+
+        base = model.get_base_model()
+        tensors = {}
+        for name, tensor in itertools.chain(base.named_parameters(), base.named_buffers()):
+            if "lora_" in name or ".original_module." in name:
+                continue
+            tensors[name.replace(".base_layer.", ".").replace(".modules_to_save.default.", ".")] = tensor
+        for module_name, module in base.named_modules():
+            if isinstance(module, LoraLayer) and not module.merged:
+                key = f"{module_name}.weight"
+                delta = sum(module.get_delta_weight(adapter) for adapter in module.active_adapters)
+                tensors[key] = tensors[key] + delta.to(tensors[key].dtype)
+        return tensors
+
+    def _take_generated_batch(self, prompt_ids: list[list[int]]):
+        index = self._step // self._micro_steps_per_generation
+        if self._queue is None:
+            self._start_queue(index)
+        # Hand the producer every batch it could generate before this one is fully trained (the bound decides).
+        while self._submitted <= index or self._min_behavior_version(self._submitted) <= self._last_train_step(index) + 1:
+            planned_index, rows = next(self._prompt_plan)
+            planned_ids, _, _ = self._tokenize_prompts([row["prompt"] for row in rows])
+            self._queue.submit(planned_index, planned_ids, self._min_behavior_version(planned_index))
+            self._submitted = planned_index + 1
+
+        start = time.perf_counter()
+        result = self._queue.get(index)
+        waited = time.perf_counter() - start
+        if result.prompt_ids != list(prompt_ids):
+            raise RuntimeError(
+                f"Generation batch {index}: the producer's prompts differ from the trainer's. The prompt order "
+                "diverged from the training dataloader's (a custom sampler or data collator?); set "
+                "async_generation=False."
+            )
+        batch = result.batch
+        self._taken_versions = batch.versions
+        metrics = self._metrics["train"]
+        num_tokens = sum(len(ids) for ids in batch.completion_ids)
+        metrics["a3po/queue/trainer_wait_s"].append(waited)
+        metrics["a3po/queue/producer_bound_wait_s"].append(result.bound_wait_s)
+        metrics["a3po/queue/depth"].append(self._queue.depth)
+        metrics["a3po/gen/tokens_per_s"].append(num_tokens / max(batch.generation_s, 1e-9))
+        metrics["a3po/gen/weight_sync_s"].append(batch.weight_sync_s)
+        return batch.completion_ids, batch.logprobs
 
     # ------------------------------------------------------------------ generation side
 
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
+        if self.args.async_generation and self.model.training:
+            return self._take_generated_batch(prompt_ids)
         if self.use_vllm or not self.args.use_decoupled_loss:
             # vLLM already returns the sampled tokens' log-probs (TRL asks for processed_logprobs).
             return super()._generate_single_turn(
@@ -86,7 +261,7 @@ class A3POTrainer(GRPOTrainer):
     def _generate_and_score_completions(self, inputs):
         if not self.args.use_decoupled_loss:
             return super()._generate_and_score_completions(inputs)
-        behavior_version = self.state.global_step  # the optimizer step of the weights that generate this batch
+        self._taken_versions = None
         with self._without_trls_old_logp_forward():
             output = super()._generate_and_score_completions(inputs)
         behav = output.get("sampling_per_token_logps")
@@ -105,9 +280,12 @@ class A3POTrainer(GRPOTrainer):
                 f"completion token {col} (prompt: {str(prompt)[:200]!r}). The generator returned an invalid "
                 "log-prob; check its dtype (fp16 overflow) and its logprobs mode (processed_logprobs)."
             )
-        output["behavior_version"] = torch.full(
-            (behav.size(0),), behavior_version, dtype=torch.long, device=behav.device
-        )
+        if self._taken_versions is not None:  # generated ahead by the producer
+            behavior_version = torch.tensor(self._taken_versions, dtype=torch.long, device=behav.device)
+        else:  # generated just now, by the current weights
+            behavior_version = torch.full((behav.size(0),), self.state.global_step, dtype=torch.long,
+                                          device=behav.device)
+        output["behavior_version"] = behavior_version
         if self.model.training and self.args.prox_logp_method in ("recompute", "metrics"):
             output["prox_per_token_logps"] = self._recompute_prox_logps(output)
         return output
@@ -137,6 +315,8 @@ class A3POTrainer(GRPOTrainer):
     # ------------------------------------------------------------------ loss side
 
     def _compute_loss(self, model, inputs):
+        if self._queue is not None:
+            self._queue.raise_if_failed()  # a producer failure surfaces within one step, with its traceback
         if not self.args.use_decoupled_loss:
             return super()._compute_loss(model, inputs)
         mode = "train" if self.model.training else "eval"

@@ -1,5 +1,15 @@
 """The generation side: knows token ids, log-probs and policy versions, nothing of losses."""
 
-from .inprocess import generate_with_behavior_logprobs
+from .inprocess import InProcessBackend, generate_with_behavior_logprobs
+from .queue import GeneratedBatch, GenerationQueue, GenerationResult, PolicyWeights, ProducerError, RolloutBackend
 
-__all__ = ["generate_with_behavior_logprobs"]
+__all__ = [
+    "GeneratedBatch",
+    "GenerationQueue",
+    "GenerationResult",
+    "InProcessBackend",
+    "PolicyWeights",
+    "ProducerError",
+    "RolloutBackend",
+    "generate_with_behavior_logprobs",
+]

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import copy
+import time
 
 import torch
 from transformers import GenerationConfig, PreTrainedModel
+
+from .queue import GeneratedBatch, PolicyWeights
 
 
 def generate_with_behavior_logprobs(
@@ -55,3 +58,56 @@ def generate_with_behavior_logprobs(
         completion_ids.append(completion[row, :length].tolist())
         logprobs.append(token_logprobs[row, :length].tolist())
     return completion_ids, logprobs
+
+
+class InProcessBackend:
+    """Generates on a private snapshot of the policy, in the producer thread (CPU, or the trainer's one GPU).
+
+    The snapshot is a plain model built from the policy's config (never a deep copy of the trainer's model, whose
+    forward TRL patches), refreshed from `PolicyWeights` before a batch whenever a newer version exists. LoRA
+    policies arrive already merged (the trainer's `tensors_fn` merges), so generation runs at full-model speed.
+    """
+
+    def __init__(self, snapshot: PreTrainedModel, weights: PolicyWeights, generation_config: GenerationConfig, pad_token_id: int,
+                 eos_token_ids: list[int]):
+        self.snapshot = snapshot.eval().requires_grad_(False)
+        self.weights = weights
+        self.generation_config = generation_config
+        self.pad_token_id = pad_token_id
+        self.eos_token_ids = eos_token_ids
+        self.version = -1
+
+    def refresh(self) -> float:
+        """Copy the newest published weights into the snapshot; return the seconds it took (0 if current)."""
+        if self.weights.version == self.version:
+            return 0.0
+        start = time.perf_counter()
+        params = dict(self.snapshot.named_parameters())
+        params.update(dict(self.snapshot.named_buffers()))
+        with torch.no_grad(), self.weights.reading() as (version, tensors):
+            missing = [name for name in params if name not in tensors and not _is_tied(self.snapshot, name)]
+            if missing:
+                raise KeyError(f"the policy's weights lack {missing[:5]} (of {len(missing)}) for the snapshot")
+            for name, tensor in tensors.items():
+                if name in params:
+                    params[name].copy_(tensor)
+            self.version = version
+        return time.perf_counter() - start
+
+    def generate(self, prompt_ids: list[list[int]], min_version: int):
+        sync_s = self.refresh()
+        start = time.perf_counter()
+        with torch.no_grad():
+            completion_ids, logprobs = generate_with_behavior_logprobs(
+                self.snapshot, prompt_ids, self.generation_config, self.pad_token_id, self.eos_token_ids
+            )
+        return GeneratedBatch(
+            completion_ids, logprobs, [self.version] * len(prompt_ids), time.perf_counter() - start, sync_s
+        )
+
+    def close(self) -> None:
+        pass
+
+
+def _is_tied(model: PreTrainedModel, name: str) -> bool:
+    return name == "lm_head.weight" and bool(getattr(model.config.get_text_config(), "tie_word_embeddings", False))
