@@ -95,6 +95,10 @@ class A3POConfig(GRPOConfig):
             "choices": list(ROLLOUT_BACKENDS),
         },
     )
+    vllm_server_host: str = field(
+        default="127.0.0.1",
+        metadata={"help": "Host of the vLLM server (loopback by default). Ignored if vllm_server_base_url is set."},
+    )
     weight_sync_transport: str = field(
         default="auto",
         metadata={

@@ -162,12 +162,12 @@ class A3POTrainer(GRPOTrainer):
         live model. Called by the producer while the optimizer is held off."""
         model = self.accelerator.unwrap_model(self.model)
         if not is_peft_model(model):
-            return {**dict(model.named_parameters()), **dict(model.named_buffers())}
+            return model.state_dict()  # parameters and persistent buffers, sharing the live storage (no copy)
         from peft.tuners.lora import LoraLayer
 
         base = model.get_base_model()
         tensors = {}
-        for name, tensor in itertools.chain(base.named_parameters(), base.named_buffers()):
+        for name, tensor in base.state_dict().items():
             if "lora_" in name or ".original_module." in name:
                 continue
             tensors[name.replace(".base_layer.", ".").replace(".modules_to_save.default.", ".")] = tensor

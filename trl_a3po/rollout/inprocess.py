@@ -82,8 +82,7 @@ class InProcessBackend:
         if self.weights.version == self.version:
             return 0.0
         start = time.perf_counter()
-        params = dict(self.snapshot.named_parameters())
-        params.update(dict(self.snapshot.named_buffers()))
+        params = self.snapshot.state_dict()
         with torch.no_grad(), self.weights.reading() as (version, tensors):
             missing = [name for name in params if name not in tensors and not _is_tied(self.snapshot, name)]
             if missing:

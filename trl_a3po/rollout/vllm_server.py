@@ -1,0 +1,184 @@
+"""Generation on a running vLLM server (`vllm serve`), with the policy's weights pushed to it between batches.
+
+Completions come from the OpenAI-compatible `/v1/completions` endpoint with token-id prompts, the sampled token ids
+(`return_token_ids`) and their log-probs (`logprobs: 0`); start the server with
+`--logprobs-mode processed_logprobs` so those are the log-probs of the distribution actually sampled from.
+
+Weights are pushed by the producer thread between two batches, so no request is ever mid-generation during a push
+and every sample has exactly one behaviour version.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from urllib.parse import urlparse
+
+import requests
+import torch
+
+from .queue import GeneratedBatch, PolicyWeights
+
+
+class VLLMServerUnreachable(ConnectionError):
+    pass
+
+
+class VLLMServerBackend:
+    def __init__(
+        self,
+        base_url: str,
+        weights: PolicyWeights,
+        transport,
+        sampling: dict,
+        weight_sync_steps: int = 1,
+        request_timeout_s: float = 3600.0,
+        connect_timeout_s: float = 5.0,
+    ):
+        self.base_url = base_url.rstrip("/")
+        self.weights = weights
+        self.transport = transport
+        self.sampling = sampling
+        self.weight_sync_steps = weight_sync_steps
+        self.request_timeout_s = request_timeout_s
+        self.session = requests.Session()  # no retries: an unreachable server must fail fast, not back off
+        try:
+            response = self.session.get(f"{self.base_url}/health", timeout=connect_timeout_s)
+            response.raise_for_status()
+            self.model = self._get("/v1/models")["data"][0]["id"]
+        except requests.RequestException as error:
+            parsed = urlparse(self.base_url)
+            raise VLLMServerUnreachable(
+                f"The vLLM server at {parsed.hostname}:{parsed.port} is unreachable ({error.__class__.__name__}). "
+                "Start it first (README: 'vLLM server'), or check vllm_server_host / vllm_server_port / "
+                "vllm_server_base_url."
+            ) from error
+        self.version = -1  # what the server holds is unknown until the first push
+
+    @classmethod
+    def from_config(cls, args, weights: PolicyWeights, eos_token_ids: list[int]) -> VLLMServerBackend:
+        base_url = args.vllm_server_base_url or f"http://{args.vllm_server_host}:{args.vllm_server_port}"
+        transport_name = args.weight_sync_transport
+        if transport_name == "auto":
+            transport_name = "nccl" if torch.cuda.is_available() else "disk"
+        if transport_name == "disk":
+            transport = DiskTransport(args.weight_sync_dir or os.path.join(args.output_dir, "weight_sync"))
+        else:
+            transport = NCCLTransport(base_url)
+        sampling = {
+            "max_tokens": args.max_completion_length,
+            "temperature": args.temperature,
+            "top_p": args.top_p,
+            "top_k": args.top_k if args.top_k else -1,
+            "min_p": args.min_p or 0.0,
+            "repetition_penalty": args.repetition_penalty,
+            "stop_token_ids": eos_token_ids,
+            **(args.generation_kwargs or {}),
+        }
+        return cls(base_url, weights, transport, sampling, args.weight_sync_steps)
+
+    # -------------------------------------------------------------- HTTP
+
+    def _get(self, path: str) -> dict:
+        response = self.session.get(f"{self.base_url}{path}", timeout=self.request_timeout_s)
+        response.raise_for_status()
+        return response.json()
+
+    def post(self, path: str, payload: dict | None = None) -> dict:
+        response = self.session.post(f"{self.base_url}{path}", json=payload, timeout=self.request_timeout_s)
+        if response.status_code != 200:
+            raise RuntimeError(f"vLLM server {path} failed: {response.status_code} {response.text[:500]}")
+        return response.json()
+
+    # -------------------------------------------------------------- backend interface
+
+    def push_weights(self) -> float:
+        """Send the newest published weights to the server; return the seconds it took."""
+        start = time.perf_counter()
+        with self.weights.reading() as (version, tensors):
+            # Copy under the lock (the optimizer waits), push outside it (the trainer runs on).
+            staged = {name: self.transport.stage(t) for name, t in tensors.items()}
+        self.transport.push(self, staged)
+        self.version = version
+        return time.perf_counter() - start
+
+    def generate(self, prompt_ids: list[list[int]], min_version: int) -> GeneratedBatch:
+        sync_s = 0.0
+        if self.version < min_version or self.weights.version - self.version >= self.weight_sync_steps:
+            sync_s = self.push_weights()
+        start = time.perf_counter()
+        payload = {
+            "model": self.model,
+            "prompt": prompt_ids,
+            "n": 1,
+            "logprobs": 0,
+            "return_token_ids": True,
+            **self.sampling,
+        }
+        choices = self.post("/v1/completions", payload)["choices"]
+        choices = sorted(choices, key=lambda choice: choice["index"])
+        completion_ids = [choice["token_ids"] for choice in choices]
+        # vLLM writes null for a NaN log-prob; the trainer rejects non-finite values by sample.
+        logprobs = [
+            [float("nan") if lp is None else lp for lp in choice["logprobs"]["token_logprobs"]] for choice in choices
+        ]
+        return GeneratedBatch(
+            completion_ids, logprobs, [self.version] * len(prompt_ids), time.perf_counter() - start, sync_s
+        )
+
+    def close(self) -> None:
+        self.transport.close()
+        self.session.close()
+
+
+class DiskTransport:
+    """safetensors in a folder the server reads, then `reload_weights` and a prefix-cache reset.
+
+    Needs the server started with VLLM_SERVER_DEV_MODE=1 (for /collective_rpc). The reset matters: cached prefixes
+    would keep key/value states computed by the old weights.
+    """
+
+    def __init__(self, folder: str):
+        self.folder = os.path.abspath(folder)
+        os.makedirs(self.folder, exist_ok=True)
+
+    @staticmethod
+    def stage(tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.detach().to("cpu", copy=True).contiguous()
+
+    def push(self, backend: VLLMServerBackend, tensors: dict[str, torch.Tensor]) -> None:
+        from safetensors.torch import save_file
+
+        # Every tensor is written, tied ones too: vLLM's in-place reload leaves a tensor missing from the file in an
+        # undefined state (a tied lm_head was seen to go stale).
+        tmp = os.path.join(self.folder, "model.safetensors.tmp")
+        save_file(tensors, tmp)
+        os.replace(tmp, os.path.join(self.folder, "model.safetensors"))  # the server never sees a partial file
+        backend.post("/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": self.folder}})
+        backend.post("/reset_prefix_cache")
+
+    def close(self) -> None:
+        pass
+
+
+class NCCLTransport:
+    """TRL's NCCL weight transfer (GPU): the server needs `--weight-transfer-config '{"backend": "nccl"}'`."""
+
+    def __init__(self, base_url: str):
+        from trl.generation.vllm_client import VLLMClient  # needs `pip install trl-a3po[vllm]`
+
+        self.client = VLLMClient(base_url=base_url, connection_timeout=10.0)
+        self.client.init_communicator(device=torch.cuda.current_device())
+
+    @staticmethod
+    def stage(tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.detach().clone()  # stays on the GPU it lives on
+
+    def push(self, backend: VLLMServerBackend, tensors: dict[str, torch.Tensor]) -> None:
+        with self.client.weight_update():
+            for name, tensor in tensors.items():
+                self.client.update_named_param(name, tensor)
+        self.client.reset_prefix_cache()
+
+    def close(self) -> None:
+        self.client.close_communicator()
