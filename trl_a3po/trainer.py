@@ -22,18 +22,30 @@ from transformers import AutoModelForCausalLM, TrainerCallback
 from trl import GRPOTrainer
 from trl.extras.profiling import profiling_context
 from trl.models.utils import disable_gradient_checkpointing, unwrap_model_for_generation
-from trl.trainer.utils import nanmax, nanmin
+from trl.trainer.utils import nanmax, nanmin, split_tensor_dict
 
 from .config import A3POConfig
 from .proximal import PROX_APPROXIMATIONS, aggregate_loss, approximate_prox_logp, decoupled_ppo_loss, staleness_alpha
-from .rollout import GenerationQueue, InProcessBackend, PolicyWeights, generate_with_behavior_logprobs
+from .rollout import (
+    GenerationQueue,
+    InProcessBackend,
+    PolicyWeights,
+    StalenessSchedule,
+    generate_with_behavior_logprobs,
+)
 
 
-class _PublishWeights(TrainerCallback):
-    """Brackets every optimizer step so the producer never reads half-updated weights, then publishes the version."""
+class _AsyncGenerationCallback(TrainerCallback):
+    """Brackets every optimizer step so the producer never reads half-updated weights, then publishes the version;
+    on resume, realigns GRPOTrainer's micro-step counter with the restored global step."""
 
     def __init__(self, trainer: A3POTrainer):
         self.trainer = trainer
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        # GRPOTrainer's `_step` (micro-batches seen) restarts at 0 on resume; the generation batch index and the
+        # slice of it to train both derive from it, so continue from where the checkpoint stopped.
+        self.trainer._step = state.global_step * self.trainer._accumulation_steps
 
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
         if self.trainer._policy_weights is not None:
@@ -64,6 +76,7 @@ class A3POTrainer(GRPOTrainer):
         self._policy_weights: PolicyWeights | None = None
         self._prompt_plan = None  # iterator over this process's future generation batches, in the sampler's order
         self._submitted = 0  # generation batches handed to the producer so far
+        self._schedule: StalenessSchedule | None = None
         self._taken_versions: list[int] | None = None  # behaviour versions of the batch being scored
         if self.args.async_generation:
             if self.tools or self.environment_factories is not None or self.rollout_func is not None:
@@ -76,7 +89,7 @@ class A3POTrainer(GRPOTrainer):
                     "async_generation=True needs a map-style train_dataset (the producer follows the sampler's "
                     "order ahead of the trainer); convert it, or set async_generation=False."
                 )
-            self.add_callback(_PublishWeights(self))
+            self.add_callback(_AsyncGenerationCallback(self))
 
     # ------------------------------------------------------------------ asynchronous generation
 
@@ -94,15 +107,6 @@ class A3POTrainer(GRPOTrainer):
     @property
     def _micro_steps_per_generation(self) -> int:
         return self.args.steps_per_generation * self.num_iterations
-
-    def _min_behavior_version(self, index: int) -> int:
-        """The oldest policy version allowed to generate batch `index`: no sample of it may be trained more than
-        max_staleness optimizer steps after the version that generated it."""
-        return max(self._last_train_step(index) - self.args.max_staleness, 0)
-
-    def _last_train_step(self, index: int) -> int:
-        """The optimizer step (global_step) at which the last micro-batch of generation batch `index` is trained."""
-        return ((index + 1) * self._micro_steps_per_generation - 1) // self._accumulation_steps
 
     def _generation_batches(self, start: int):
         """This process's generation batches (dataset rows) in the synchronous trainer's order, from `start` on.
@@ -154,6 +158,9 @@ class A3POTrainer(GRPOTrainer):
 
             backend = VLLMServerBackend.from_config(self.args, self._policy_weights, list(self.eos_token_ids))
         self._queue = GenerationQueue(backend, self._policy_weights)
+        self._schedule = StalenessSchedule(
+            self._micro_steps_per_generation, self._accumulation_steps, self.args.max_staleness
+        )
         self._prompt_plan = self._generation_batches(start)
         self._submitted = start
 
@@ -178,15 +185,31 @@ class A3POTrainer(GRPOTrainer):
                 tensors[key] = tensors[key] + delta.to(tensors[key].dtype)
         return tensors
 
+    def _prepare_inputs(self, generation_batch):
+        if not (self.args.async_generation and self.model.training):
+            return super()._prepare_inputs(generation_batch)
+        # GRPOTrainer's own version shuffles each generation batch with the global RNG before cutting it into
+        # micro-batches; the producer thread samples from that same global RNG, so the cut would depend on thread
+        # timing. Here the shuffle is seeded by the batch index: the cut is reproducible, and a resume inside a batch
+        # trains exactly the micro-batches the checkpoint had not trained.
+        generate_every = self._micro_steps_per_generation
+        if self._step % generate_every == 0 or self._buffered_inputs is None:
+            batch = self._generate_and_score_completions(generation_batch)
+            generator = torch.Generator().manual_seed(self.args.seed * 1_000_003 + self._step // generate_every)
+            permutation = torch.randperm(len(batch["prompt_ids"]), generator=generator)
+            batch = {key: _take_rows(value, permutation) for key, value in batch.items()}
+            self._buffered_inputs = split_tensor_dict(batch, self.args.steps_per_generation)
+        return self._buffered_inputs[self._step % self.args.steps_per_generation]
+
     def _take_generated_batch(self, prompt_ids: list[list[int]]):
         index = self._step // self._micro_steps_per_generation
         if self._queue is None:
             self._start_queue(index)
         # Hand the producer every batch it could generate before this one is fully trained (the bound decides).
-        while self._submitted <= index or self._min_behavior_version(self._submitted) <= self._last_train_step(index) + 1:
+        while self._submitted <= self._schedule.submit_until(index):
             planned_index, rows = next(self._prompt_plan)
             planned_ids, _, _ = self._tokenize_prompts([row["prompt"] for row in rows])
-            self._queue.submit(planned_index, planned_ids, self._min_behavior_version(planned_index))
+            self._queue.submit(planned_index, planned_ids, self._schedule.min_version(planned_index))
             self._submitted = planned_index + 1
 
         start = time.perf_counter()
@@ -461,3 +484,12 @@ class A3POTrainer(GRPOTrainer):
             for d in all_staleness.unique().tolist():
                 bucket = per_sample[all_staleness == d].sum(0)
                 metrics[f"a3po/prox_error/{method}/abs/d{d}"].append((bucket[0] / bucket[2].clamp(min=1.0)).item())
+
+
+def _take_rows(value, rows: torch.Tensor):
+    """Reorder one per-sample entry of a generation batch (tensors with a batch dim, or lists); keep scalars."""
+    if value is None or (isinstance(value, torch.Tensor) and value.ndim == 0):
+        return value
+    if isinstance(value, torch.Tensor):
+        return value[rows.to(value.device)]
+    return [value[i] for i in rows.tolist()]

@@ -1,7 +1,7 @@
 """The generation side: knows token ids, log-probs and policy versions, nothing of losses."""
 
 from .inprocess import InProcessBackend, generate_with_behavior_logprobs
-from .queue import GeneratedBatch, GenerationQueue, GenerationResult, PolicyWeights, ProducerError, RolloutBackend
+from .queue import GeneratedBatch, GenerationQueue, GenerationResult, PolicyWeights, ProducerError, RolloutBackend, StalenessSchedule
 
 __all__ = [
     "GeneratedBatch",
@@ -11,5 +11,6 @@ __all__ = [
     "PolicyWeights",
     "ProducerError",
     "RolloutBackend",
+    "StalenessSchedule",
     "generate_with_behavior_logprobs",
 ]
