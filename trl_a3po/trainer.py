@@ -84,6 +84,12 @@ class A3POTrainer(GRPOTrainer):
                     "async_generation=True supports single-turn text prompts; tools, environment_factory and "
                     "rollout_func need async_generation=False."
                 )
+            zero3 = self.is_deepspeed_enabled and self.accelerator.state.deepspeed_plugin.zero_stage == 3
+            if zero3 or self.is_fsdp_enabled:
+                raise ValueError(
+                    "async_generation=True needs whole (unsharded) parameters to hand to the generator; with FSDP or "
+                    "DeepSpeed ZeRO-3 set async_generation=False, or train with DDP / ZeRO-2."
+                )
             if isinstance(self.train_dataset, torch.utils.data.IterableDataset):
                 raise ValueError(
                     "async_generation=True needs a map-style train_dataset (the producer follows the sampler's "

