@@ -68,6 +68,7 @@ class A3POTrainer(GRPOTrainer):
             raise TypeError(f"A3POTrainer needs an A3POConfig as `args`, got {type(self.args).__name__}.")
         # Seconds spent obtaining proximal log-probs since the last optimizer step (the paper's Figure 1 metric).
         self._prox_seconds = 0.0
+        self._train_start = time.perf_counter()
         # Read once: during TRL's scoring `self.args` is a view with an aligned gradient_accumulation_steps (see
         # `_without_trls_old_logp_forward`), and the producer's schedule must use the real one.
         self._accumulation_steps = self.args.gradient_accumulation_steps
@@ -100,6 +101,7 @@ class A3POTrainer(GRPOTrainer):
     # ------------------------------------------------------------------ asynchronous generation
 
     def train(self, *args, **kwargs):
+        self._train_start = time.perf_counter()  # for a3po/wall_time_s: reward vs wall-clock plots
         try:
             return super().train(*args, **kwargs)
         finally:
@@ -469,6 +471,7 @@ class A3POTrainer(GRPOTrainer):
             seconds = reduce(torch.tensor(self._prox_seconds, device=self.accelerator.device), reduction="mean")
             metrics["a3po/prox_time_s"].append(seconds.item())
             self._prox_seconds = 0.0
+            metrics["a3po/wall_time_s"].append(time.perf_counter() - self._train_start)
 
     def _log_prox_approximation_errors(self, metrics, staleness, mask, logp, behav_logp, prox_logp):
         """Error of each approximation against the recomputed proximal log-probs, overall and per staleness."""

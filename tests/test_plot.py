@@ -1,0 +1,41 @@
+"""`python -m trl_a3po.plot` draws the paper's figures from real (short) runs' logs."""
+
+import json
+
+from conftest import digit_reward, make_model
+from PIL import Image
+from test_trainer import COMMON
+
+from trl_a3po import A3POConfig, A3POTrainer
+from trl_a3po.plot import FIGURES, main, series
+
+
+def short_run(tmp_path, tokenizer, dataset, name, **kwargs):
+    args = A3POConfig(output_dir=str(tmp_path / name), max_steps=4, steps_per_generation=2, **{**COMMON, **kwargs})
+    trainer = A3POTrainer(model=make_model(tokenizer), reward_funcs=digit_reward, args=args, train_dataset=dataset,
+                          processing_class=tokenizer)
+    trainer.train()
+    trainer.save_model()
+    trainer.save_state()
+    return tmp_path / name
+
+
+def test_plot_command_writes_every_figure_from_run_logs(tmp_path, tokenizer, prompt_dataset, capsys):
+    runs = [
+        short_run(tmp_path, tokenizer, prompt_dataset, "a", prox_logp_method="loglinear"),
+        short_run(tmp_path, tokenizer, prompt_dataset, "b", prox_logp_method="recompute"),
+        short_run(tmp_path, tokenizer, prompt_dataset, "c", use_decoupled_loss=False),
+    ]
+    history = json.loads((runs[0] / "trainer_state.json").read_text())["log_history"]
+    xs, ys = series(history, "reward", "wall")
+    assert len(xs) == 2 and all(x > 0 for x in xs)  # two generation batches, on a wall-clock axis
+    capsys.readouterr()  # drop the training logs
+    main([str(r) for r in runs] + ["--out", str(tmp_path / "figs")])
+    printed = capsys.readouterr().out.split()
+    assert sorted(printed) == sorted(str(tmp_path / "figs" / f"{name}.png") for name in FIGURES)
+    for path in printed:
+        with Image.open(path) as image:
+            assert image.size[0] > 300 and image.size[1] > 200
+    from trl_a3po.plot import run_label
+
+    assert [run_label(str(r)) for r in runs] == ["loglinear", "recompute", "sync"]

@@ -1,0 +1,117 @@
+"""The paper's figures from training logs: `python -m trl_a3po.plot RUN_DIR [RUN_DIR ...] --out DIR`.
+
+Each RUN_DIR holds a `trainer_state.json` (the recipe saves one; so does every checkpoint). Runs are labelled by
+their method (sync / recompute / loglinear / metrics, from the run's saved training arguments) or by
+`--labels`. One PNG per figure, one curve per run:
+  fig1_prox_time.png        seconds spent on proximal log-probs per optimizer step
+  fig2_reward_wallclock.png training reward vs wall-clock
+  fig3_eval_reward.png      greedy eval accuracy vs step
+  fig4_entropy.png          policy entropy vs step
+  fig5_importance_weight.png  behaviour importance weight max and min vs step
+  fig6_clipped_tokens.png   fraction of clipped tokens vs step
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+FIGURES = {
+    "fig1_prox_time": ("proximal log-prob time per step", "a3po/prox_time_s", "seconds", "step"),
+    "fig2_reward_wallclock": ("training reward vs wall-clock", "reward", "reward", "wall"),
+    "fig3_eval_reward": ("greedy eval accuracy", "eval/gsm8k_greedy_accuracy", "accuracy", "step"),
+    "fig4_entropy": ("policy entropy", "entropy", "entropy (nats)", "step"),
+    "fig5_importance_weight": ("behaviour importance weight", ("a3po/behav_imp_weight/max", "a3po/behav_imp_weight/min"),
+                               "pi_prox / pi_behav", "step"),
+    "fig6_clipped_tokens": ("clipped tokens per step", "clip_ratio/region_mean", "fraction of tokens", "step"),
+}
+
+
+def load_history(run_dir: str) -> list[dict]:
+    path = run_dir if run_dir.endswith(".json") else os.path.join(run_dir, "trainer_state.json")
+    with open(path) as f:
+        return json.load(f)["log_history"]
+
+
+def run_label(run_dir: str) -> str:
+    """The run's method, from the training arguments the Trainer saved (`sync` when the decoupled loss is off);
+    the folder name when there are none."""
+    args_path = os.path.join(run_dir, "training_args.bin")
+    if os.path.exists(args_path):
+        import torch
+
+        args = torch.load(args_path, weights_only=False)  # a pickled A3POConfig, written by this run's Trainer
+        if getattr(args, "use_decoupled_loss", True) is False:
+            return "sync"
+        if hasattr(args, "prox_logp_method"):
+            return args.prox_logp_method
+    return os.path.basename(os.path.normpath(run_dir))
+
+
+def series(history: list[dict], key: str, x_axis: str) -> tuple[list[float], list[float]]:
+    xs, ys = [], []
+    for entry in history:
+        if key not in entry:
+            continue
+        if x_axis == "wall":
+            if "a3po/wall_time_s" not in entry:
+                continue
+            xs.append(entry["a3po/wall_time_s"])
+        else:
+            xs.append(entry.get("step", len(xs)))
+        ys.append(entry[key])
+    return xs, ys
+
+
+def plot_runs(run_dirs: list[str], out_dir: str, labels: list[str] | None = None) -> list[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    histories = [load_history(d) for d in run_dirs]
+    labels = labels or [run_label(d) for d in run_dirs]
+    os.makedirs(out_dir, exist_ok=True)
+    written = []
+    for name, (title, keys, ylabel, x_axis) in FIGURES.items():
+        keys = keys if isinstance(keys, tuple) else (keys,)
+        fig, ax = plt.subplots(figsize=(6, 4))
+        drawn = 0
+        for history, label in zip(histories, labels):
+            for key in keys:
+                xs, ys = series(history, key, x_axis)
+                if xs:
+                    suffix = f" ({key.rsplit('/', 1)[-1]})" if len(keys) > 1 else ""
+                    ax.plot(xs, ys, marker="." if len(xs) < 50 else None, label=label + suffix)
+                    drawn += 1
+        if not drawn:
+            ax.text(0.5, 0.5, "not in these logs", ha="center", va="center", transform=ax.transAxes)
+        ax.set(title=title, xlabel="wall-clock (s)" if x_axis == "wall" else "optimizer step", ylabel=ylabel)
+        if name == "fig1_prox_time" and drawn:
+            ax.set_yscale("symlog", linthresh=1e-4)
+        if drawn:
+            ax.legend()
+        fig.tight_layout()
+        path = os.path.join(out_dir, f"{name}.png")
+        fig.savefig(path, dpi=120)
+        plt.close(fig)
+        written.append(path)
+    return written
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m trl_a3po.plot", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("runs", nargs="+", help="run folders (or trainer_state.json files)")
+    parser.add_argument("--out", required=True, help="folder for the PNGs")
+    parser.add_argument("--labels", nargs="+", help="one label per run (default: the run's method)")
+    args = parser.parse_args(argv)
+    if args.labels and len(args.labels) != len(args.runs):
+        parser.error("--labels needs one label per run")
+    for path in plot_runs(args.runs, args.out, args.labels):
+        print(path)
+
+
+if __name__ == "__main__":
+    main()
