@@ -55,3 +55,40 @@ def test_bad_values_name_the_field(tmp_path, kwargs, pattern):
 def test_coupled_mode_accepts_trl_only_loss_types(tmp_path):
     # use_decoupled_loss=False is plain GRPO: every TRL loss type stays available
     assert make(tmp_path, use_decoupled_loss=False, loss_type="cispo").loss_type == "cispo"
+
+
+def test_staleness_bound_defaults_and_limits(tmp_path):
+    args = make(tmp_path, steps_per_generation=3)  # 3 micro-batches = 3 optimizer steps per generation batch
+    assert args.in_batch_staleness == 2
+    assert args.async_generation is True and args.max_staleness == 3  # one generation batch ahead
+    assert make(tmp_path, steps_per_generation=3, async_generation=False).max_staleness == 2
+    with pytest.raises(ValueError, match=r"max_staleness=1 is below .*\(2: .*set max_staleness >= 3"):
+        make(tmp_path, steps_per_generation=3, max_staleness=1)
+    with pytest.warns(UserWarning, match="no room to generate ahead"):
+        make(tmp_path, steps_per_generation=3, max_staleness=2)
+    # the paper's setup: 4 optimizer steps per generation batch
+    assert make(tmp_path, gradient_accumulation_steps=4, steps_per_generation=16).in_batch_staleness == 3
+    # two generation batches per optimizer step: no staleness from reuse
+    assert make(tmp_path, gradient_accumulation_steps=4, steps_per_generation=2).in_batch_staleness == 0
+    assert make(tmp_path, num_iterations=2, steps_per_generation=2).in_batch_staleness == 3
+
+
+@pytest.mark.parametrize(
+    "kwargs,pattern",
+    [
+        (dict(async_generation=True, use_decoupled_loss=False), r"coupled GRPO loss does not correct"),
+        (dict(async_generation=True, use_vllm=True), r"rollout_backend='vllm_server'"),
+        (dict(async_generation=False, rollout_backend="vllm_server"), r"use TRL's own use_vllm=True"),
+        (dict(rollout_backend="sglang"), r"rollout_backend='sglang' is not supported"),
+        (dict(weight_sync_transport="rdma"), r"weight_sync_transport='rdma'"),
+        (dict(weight_sync_steps=0), r"weight_sync_steps=0 must be >= 1"),
+    ],
+)
+def test_generation_settings_are_validated(tmp_path, kwargs, pattern):
+    with pytest.raises(ValueError, match=pattern):
+        make(tmp_path, **kwargs)
+
+
+def test_async_is_on_by_default_only_for_the_decoupled_loss(tmp_path):
+    assert make(tmp_path).async_generation is True
+    assert make(tmp_path, use_decoupled_loss=False).async_generation is False

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 
 from trl import GRPOConfig
@@ -217,9 +218,12 @@ class A3POConfig(GRPOConfig):
                 f"{self.gradient_accumulation_steps}); set max_staleness >= {needed}."
             )
         if self.async_generation and self.max_staleness < needed:
-            raise ValueError(
+            # Valid, but the producer can only start a batch once the trainer needs it: asynchronous in form only.
+            warnings.warn(
                 f"max_staleness={self.max_staleness} leaves no room to generate ahead (TRL's batch reuse alone gives "
-                f"staleness {self.in_batch_staleness}); set max_staleness >= {needed}, or async_generation=False."
+                f"staleness {self.in_batch_staleness}): generation will not overlap training. Set max_staleness >= "
+                f"{needed} for overlap.",
+                stacklevel=3,
             )
         if self.async_generation:
             if not self.use_decoupled_loss:

@@ -1,10 +1,14 @@
 """A3POTrainer: GRPOTrainer with behaviour log-probs, policy versions and the decoupled A-3PO loss.
 
 The glue only: the math lives in `proximal.py`, generation in `rollout/`. Hooks overridden, and why:
-- `_generate_single_turn`: TRL's HF-generate path returns no log-probs; ours returns the behaviour log-probs.
+- `_generate_single_turn`: TRL's HF-generate path returns no log-probs; ours returns the behaviour log-probs. In
+  asynchronous mode it hands over the producer's pre-generated batch instead of generating.
 - `_generate_and_score_completions`: tag each sample with `behavior_version`, check its behaviour log-probs, and
-  (recompute / metrics) run the one proximal forward per generation batch.
+  (recompute / metrics) run the one proximal forward per generation batch. TRL's scoring (rewards, advantages,
+  gathers) runs unchanged, on the main thread.
+- `_prepare_inputs` (asynchronous mode only): the same split into micro-batches, with a seeded shuffle.
 - `_compute_loss`: the decoupled loss; with `use_decoupled_loss=False` it is GRPOTrainer's, untouched.
+- `train`: stops the producer however training ends.
 """
 
 from __future__ import annotations

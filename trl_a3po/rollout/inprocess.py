@@ -86,6 +86,8 @@ class InProcessBackend:
             return 0.0
         start = time.perf_counter()
         params = self.snapshot.state_dict()
+        # The copy runs on the default CUDA stream, behind the optimizer step's kernels: it reads the new weights
+        # whole even though the trainer released the lock when it *launched* the step.
         with torch.no_grad(), self.weights.reading() as (version, tensors):
             missing = [name for name in params if name not in tensors and not _is_tied(self.snapshot, name)]
             if missing:
