@@ -62,6 +62,11 @@ def test_async_trains_the_synchronous_prompt_order_within_the_bound(tmp_path, to
     eta = trainer.args.max_staleness
     staleness_max = logged(trainer, "a3po/staleness/max")
     assert staleness_max and max(staleness_max) <= eta
+    # histogram inputs: per step, the shares of samples at staleness 0..eta sum to 1 and match the mean
+    fracs = [logged(trainer, f"a3po/staleness/frac_d{d}") for d in range(eta + 1)]
+    for step, mean in enumerate(logged(trainer, "a3po/staleness/mean")):
+        assert sum(f[step] for f in fracs) == pytest.approx(1.0)
+        assert sum(d * f[step] for d, f in enumerate(fracs)) == pytest.approx(mean)
     assert len(logged(trainer, "a3po/queue/trainer_wait_s")) == len(runs["async"][0])
     for key in ("a3po/queue/producer_bound_wait_s", "a3po/queue/depth", "a3po/gen/tokens_per_s",
                 "a3po/gen/weight_sync_s"):

@@ -454,6 +454,12 @@ class A3POTrainer(GRPOTrainer):
 
         metrics["a3po/staleness/mean"].append(all_staleness.float().mean().item())
         metrics["a3po/staleness/max"].append(all_staleness.max().item())
+        if mode == "train":
+            # Histogram inputs: the share of samples at each staleness 0..max_staleness (fixed keys, every step).
+            eta = self.args.max_staleness
+            counts = torch.bincount(all_staleness.clamp(min=0, max=eta), minlength=eta + 1)
+            for d, share in enumerate((counts.float() / all_staleness.numel()).tolist()):
+                metrics[f"a3po/staleness/frac_d{d}"].append(share)
         metrics["a3po/alpha/mean"].append(alpha.mean().item())
         metrics["a3po/behav_imp_weight/mean"].append(weight_sum / max(weight_count, 1.0))
         metrics["a3po/behav_imp_weight/min"].append(nanmin(extremes[:, 0]).item())
