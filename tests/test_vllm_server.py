@@ -138,3 +138,23 @@ def test_async_training_on_the_vllm_server_respects_the_bound(tmp_path, vllm_ser
         if d <= 1:
             assert w_min == pytest.approx(1.0) and w_max == pytest.approx(1.0)
     assert trainer._queue is None
+
+
+def test_greedy_eval_on_the_vllm_server_matches_hf_generate(vllm_server, tmp_path):
+    from trl_a3po import gsm8k_greedy_accuracy, load_gsm8k
+    from trl_a3po.evaluation import _render, generate_greedy_hf, generate_greedy_vllm
+    from trl_a3po.rollout.vllm_server import DiskTransport
+
+    url = f"http://127.0.0.1:{vllm_server['port']}"
+    tokenizer = vllm_server["tokenizer"]
+    model = AutoModelForCausalLM.from_pretrained(vllm_server["model_dir"], dtype=torch.float32).eval()
+    # earlier tests trained the server's weights: put the folder's weights back first
+    backend = VLLMServerBackend(url, PolicyWeights(model.state_dict), DiskTransport(str(tmp_path)), sampling={})
+    backend.push_weights()
+    dataset = load_gsm8k(str(REPO / "recipes" / "data" / "gsm8k"), "test", limit=4)
+    result = gsm8k_greedy_accuracy(dataset, tokenizer, vllm_base_url=url, batch_size=2, max_new_tokens=8,
+                                   progress=False)
+    assert result["total"] == 4 and 0.0 <= result["accuracy"] <= 1.0
+    prompt_ids = _render(tokenizer, dataset["prompt"])
+    assert generate_greedy_vllm(url, prompt_ids, 8) == generate_greedy_hf(model, tokenizer, prompt_ids, 8)
+    backend.close()
