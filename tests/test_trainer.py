@@ -237,3 +237,17 @@ def test_lora_training(tmp_path, tokenizer, prompt_dataset):
     assert any(torch.count_nonzero(p) > 0 for p in lora_b.values()), "LoRA weights did not move"
     assert all(torch.equal(p, base[n]) for n, p in trainer.model.named_parameters() if "lora" not in n)
     assert logged(trainer, "a3po/staleness/mean") == [0, 1]
+
+
+def test_num_iterations_reuse_is_stale_and_weighted(tmp_path, tokenizer, prompt_dataset):
+    # num_iterations=2 trains each generation batch twice: staleness 0..3 over a 2-slice batch, then again
+    trainer = make_trainer(tmp_path, tokenizer, prompt_dataset, steps_per_generation=2, num_iterations=2,
+                           max_steps=8, async_generation=False)
+    counts = count_logp_forwards(trainer)
+    trainer.train()
+    assert logged(trainer, "a3po/staleness/mean") == [0, 1, 2, 3, 0, 1, 2, 3]
+    assert logged(trainer, "a3po/alpha/mean") == [1, 1, 0.5, pytest.approx(1 / 3)] * 2
+    assert counts == {"grad": 8, "no_grad": 0}  # TRL would run its old-log-prob forward here; loglinear does not
+    # stale tokens are reweighted: the behaviour weight moves off 1 once the policy has moved (d >= 2)
+    weights_max = logged(trainer, "a3po/behav_imp_weight/max")
+    assert weights_max[0] == pytest.approx(1.0, abs=1e-5) and weights_max[3] > 1.0 + 1e-4
