@@ -109,12 +109,14 @@ def main():
             behav = -torch.rand(batch, completion, generator=generator).to(args.device) * 5
             logp = behav + 0.1 * torch.randn(batch, completion, generator=generator).to(args.device)
             staleness = torch.randint(0, 5, (batch,), generator=generator).to(args.device)
-            t_recompute = timed(lambda: recompute(model, input_ids, attention_mask, completion, args.micro_batch),
-                                args.device, args.repeats)
+            t_recompute = timed(
+                lambda m=model: recompute(m, input_ids, attention_mask, completion, args.micro_batch),
+                args.device, args.repeats,
+            )
             t_loglinear = timed(lambda: approximate_prox_logp("loglinear", behav, logp, staleness), args.device,
                                 args.repeats)
             print(f"{name:<24}{shape:>16}{t_recompute:>14.4f}{t_loglinear:>14.6f}{t_recompute / t_loglinear:>10.0f}x")
-        del model
+        del model  # free it before building the next one
 
 
 if __name__ == "__main__":

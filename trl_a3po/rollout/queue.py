@@ -16,7 +16,7 @@ import contextlib
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol
 
 
@@ -129,7 +129,6 @@ class GenerationResult:
     prompt_ids: list[list[int]]
     batch: GeneratedBatch
     bound_wait_s: float  # producer time spent waiting for the trainer (the staleness bound)
-    extras: dict = field(default_factory=dict)
 
 
 @dataclass
