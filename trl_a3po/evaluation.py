@@ -8,6 +8,7 @@ from tqdm.auto import tqdm
 from transformers import TrainerCallback
 
 from .rewards import gsm8k_accuracy_reward
+from .rollout.inprocess import left_pad
 
 
 def _render(tokenizer, prompts) -> list[list[int]]:
@@ -20,12 +21,8 @@ def _render(tokenizer, prompts) -> list[list[int]]:
 @torch.no_grad()
 def generate_greedy_hf(model, tokenizer, prompt_ids: list[list[int]], max_new_tokens: int) -> list[str]:
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    width = max(len(ids) for ids in prompt_ids)
-    input_ids = torch.full((len(prompt_ids), width), pad, dtype=torch.long)
-    attention_mask = torch.zeros_like(input_ids)
-    for row, ids in enumerate(prompt_ids):
-        input_ids[row, width - len(ids) :] = torch.tensor(ids)
-        attention_mask[row, width - len(ids) :] = 1
+    input_ids, attention_mask = left_pad(prompt_ids, pad)
+    width = input_ids.size(1)
     out = model.generate(
         input_ids=input_ids.to(model.device),
         attention_mask=attention_mask.to(model.device),

@@ -11,6 +11,17 @@ from transformers import GenerationConfig, PreTrainedModel
 from .queue import GeneratedBatch, PolicyWeights
 
 
+def left_pad(prompt_ids: list[list[int]], pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-padded `input_ids` and `attention_mask`: generation continues from the last column of every row."""
+    width = max(len(ids) for ids in prompt_ids)
+    input_ids = torch.full((len(prompt_ids), width), pad_token_id, dtype=torch.long)
+    attention_mask = torch.zeros_like(input_ids)
+    for row, ids in enumerate(prompt_ids):
+        input_ids[row, width - len(ids) :] = torch.tensor(ids, dtype=torch.long)
+        attention_mask[row, width - len(ids) :] = 1
+    return input_ids, attention_mask
+
+
 def generate_with_behavior_logprobs(
     model: PreTrainedModel,
     prompt_ids: list[list[int]],
@@ -27,12 +38,8 @@ def generate_with_behavior_logprobs(
     in-process backend's batch sizes; large-vocabulary, long-generation runs belong on a vLLM server.
     """
     device = model.device
-    width = max(len(ids) for ids in prompt_ids)
-    input_ids = torch.full((len(prompt_ids), width), pad_token_id, dtype=torch.long)
-    attention_mask = torch.zeros_like(input_ids)
-    for row, ids in enumerate(prompt_ids):  # left padding: generation continues from the last column
-        input_ids[row, width - len(ids) :] = torch.tensor(ids, dtype=torch.long)
-        attention_mask[row, width - len(ids) :] = 1
+    input_ids, attention_mask = left_pad(prompt_ids, pad_token_id)
+    width = input_ids.size(1)
     generation_config = copy.deepcopy(generation_config)
     generation_config.output_scores = True
     generation_config.return_dict_in_generate = True
