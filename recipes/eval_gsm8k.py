@@ -22,6 +22,8 @@ def main():
     parser.add_argument("--dataset", default="openai/gsm8k", help="hub id, or a folder with test.jsonl")
     parser.add_argument("--split", default="test")
     parser.add_argument("--limit", type=int, default=200, help="first N problems (0 = all)")
+    parser.add_argument("--max-solution-steps", type=int, help="only problems with <= N calculator steps")
+    parser.add_argument("--one-shot", action="store_true", help="prompts start with a short worked example")
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--max-new-tokens", type=int, default=512)
     parser.add_argument("--vllm-url", help="generate on this vLLM server instead of HF generate")
@@ -33,7 +35,7 @@ def main():
     tokenizer = AutoTokenizer.from_pretrained(args.adapter or model_path)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
-    dataset = load_gsm8k(args.dataset, args.split, args.limit or None)
+    dataset = load_gsm8k(args.dataset, args.split, args.limit or None, args.max_solution_steps, args.one_shot)
     model = None
     if args.vllm_url is None:
         model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, args.dtype))
@@ -44,7 +46,9 @@ def main():
         model.to("cuda" if torch.cuda.is_available() else "cpu")
     result = gsm8k_greedy_accuracy(dataset, tokenizer, model=model, vllm_base_url=args.vllm_url,
                                    batch_size=args.batch_size, max_new_tokens=args.max_new_tokens)
-    result.update(model=args.model, adapter=args.adapter, dataset=args.dataset, split=args.split)
+    result.update(model=args.model, adapter=args.adapter, dataset=args.dataset, split=args.split,
+                  max_solution_steps=args.max_solution_steps, one_shot=args.one_shot,
+                  max_new_tokens=args.max_new_tokens)
     print(json.dumps(result))
     if args.output:
         with open(args.output, "w") as f:

@@ -33,6 +33,16 @@ class ScriptArguments:
     dataset_train_split: str = field(default="train", metadata={"help": "Split to train on."})
     dataset_test_split: str = field(default="test", metadata={"help": "Split for the greedy evaluation."})
     train_limit: int | None = field(default=None, metadata={"help": "Use only the first N training problems."})
+    max_solution_steps: int | None = field(
+        default=None,
+        metadata={"help": "Keep only problems whose reference solution has at most N calculator steps (GSM8K's "
+                          "<<...>> annotations), in training and greedy evaluation: an easier subset for small models."},
+    )
+    one_shot_prompt: bool = field(
+        default=False,
+        metadata={"help": "Start each prompt with a short worked example ending in \\boxed{} (helps small models "
+                          "answer in the rewarded form), in training and greedy evaluation."},
+    )
     greedy_eval_limit: int = field(default=200, metadata={"help": "Test problems in each greedy evaluation."})
     greedy_eval_steps: int = field(
         default=0, metadata={"help": "Greedy GSM8K accuracy every N optimizer steps and at the end (0 = never)."}
@@ -55,7 +65,8 @@ def main(script_args: ScriptArguments, training_args: A3POConfig, model_args: Mo
         tokenizer.pad_token = tokenizer.eos_token
 
     # Data: `prompt` (chat messages asking for \boxed{}) and `answer` (the reference, read by the reward).
-    train_dataset = load_gsm8k(script_args.dataset_name, script_args.dataset_train_split, script_args.train_limit)
+    train_dataset = load_gsm8k(script_args.dataset_name, script_args.dataset_train_split, script_args.train_limit,
+                               script_args.max_solution_steps, script_args.one_shot_prompt)
 
     reward_funcs, reward_weights = [gsm8k_accuracy_reward], [1.0]
     if script_args.format_reward_weight:
@@ -75,7 +86,8 @@ def main(script_args: ScriptArguments, training_args: A3POConfig, model_args: Mo
     # The paper's "final eval reward": greedy accuracy on held-out problems, during and after training.
     if script_args.greedy_eval_steps:
         test_dataset = load_gsm8k(script_args.dataset_name, script_args.dataset_test_split,
-                                  script_args.greedy_eval_limit)
+                                  script_args.greedy_eval_limit, script_args.max_solution_steps,
+                                  script_args.one_shot_prompt)
         callback = GreedyEvalCallback(test_dataset, tokenizer, script_args.greedy_eval_steps,
                                       max_new_tokens=script_args.greedy_eval_max_new_tokens)
         callback.trainer = trainer

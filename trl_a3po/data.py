@@ -9,15 +9,42 @@ from datasets import Dataset, load_dataset
 INSTRUCTION = "Solve the problem step by step. Put the final answer, a number, in \\boxed{}."
 
 
-def gsm8k_prompt(question: str) -> list[dict]:
-    """A conversational prompt: TRL renders it with the model's chat template."""
-    return [{"role": "user", "content": f"{question.strip()}\n\n{INSTRUCTION}"}]
+# One worked exchange shown before the question (`one_shot=True`): small models copy its short form and its
+# \boxed{} answer (SmolLM2-135M-Instruct: 0% of greedy answers boxed without it, ~40% with it). Written for this
+# project, not taken from GSM8K, so it overlaps no train or test problem.
+ONE_SHOT = [
+    {"role": "user", "content": "A baker made 36 muffins in the morning and half as many in the afternoon. How many "
+                                f"muffins did the baker make in total?\n\n{INSTRUCTION}"},
+    {"role": "assistant", "content": "In the afternoon the baker made 36 / 2 = 18 muffins.\nIn total the baker made "
+                                     "36 + 18 = 54 muffins.\nThe answer is \\boxed{54}."},
+]
 
 
-def load_gsm8k(name_or_path: str = "openai/gsm8k", split: str = "train", limit: int | None = None) -> Dataset:
+def gsm8k_prompt(question: str, one_shot: bool = False) -> list[dict]:
+    """A conversational prompt: TRL renders it with the model's chat template. `one_shot` puts a short worked
+    example (`ONE_SHOT`) before the question."""
+    return (ONE_SHOT if one_shot else []) + [{"role": "user", "content": f"{question.strip()}\n\n{INSTRUCTION}"}]
+
+
+def solution_steps(answer: str) -> int:
+    """Calculator steps in a GSM8K worked answer: its `<<expression=result>>` annotations."""
+    return answer.count("<<")
+
+
+def load_gsm8k(
+    name_or_path: str = "openai/gsm8k",
+    split: str = "train",
+    limit: int | None = None,
+    max_solution_steps: int | None = None,
+    one_shot: bool = False,
+) -> Dataset:
     """GSM8K rows as `prompt` (chat messages) + `answer` (GSM8K's worked answer, ending in '#### n').
 
     `name_or_path`: a hub id (`openai/gsm8k`, config `main`), a folder holding `{split}.jsonl`, or a jsonl file.
+    `max_solution_steps`: keep only problems whose reference solution needs at most this many calculator steps
+    (GSM8K's `<<...>>` annotations): an easier subset for small models (<= 2 keeps 36% of train, 33% of test).
+    The filter runs before `limit`, so `limit=200` means the first 200 problems of the subset.
+    `one_shot`: prompts start with a short worked example (see `gsm8k_prompt`).
     """
     if os.path.isdir(name_or_path):
         path = os.path.join(name_or_path, f"{split}.jsonl")
@@ -28,15 +55,22 @@ def load_gsm8k(name_or_path: str = "openai/gsm8k", split: str = "train", limit: 
         dataset = load_dataset("json", data_files=name_or_path, split="train")
     else:
         dataset = load_dataset(name_or_path, "main", split=split)
-    if limit is not None:
-        dataset = dataset.select(range(min(limit, len(dataset))))
     for column in ("question", "answer"):
         if column not in dataset.column_names:
             raise ValueError(f"GSM8K data at {name_or_path!r} has no {column!r} column (has {dataset.column_names})")
+    # Every row is checked, so the index in the message is the row's line in the file or split.
     for index, row in enumerate(dataset):
         if not isinstance(row["question"], str) or not row["question"].strip() or "####" not in str(row["answer"]):
             raise ValueError(
                 f"GSM8K row {index} of {name_or_path!r} ({split}) is malformed: it needs a non-empty 'question' and "
                 f"an 'answer' ending in '#### <number>'; got {dict(row)!r:.300}"
             )
-    return dataset.map(lambda row: {"prompt": gsm8k_prompt(row["question"])}, remove_columns=["question"])
+    if max_solution_steps is not None:
+        if max_solution_steps < 0:
+            raise ValueError(f"max_solution_steps must be >= 0 (or None for all problems), got {max_solution_steps}")
+        dataset = dataset.filter(lambda row: solution_steps(str(row["answer"])) <= max_solution_steps)
+        if len(dataset) == 0:
+            raise ValueError(f"no GSM8K problem of {name_or_path!r} ({split}) has <= {max_solution_steps} solution steps")
+    if limit is not None:
+        dataset = dataset.select(range(min(limit, len(dataset))))
+    return dataset.map(lambda row: {"prompt": gsm8k_prompt(row["question"], one_shot)}, remove_columns=["question"])

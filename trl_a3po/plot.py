@@ -5,7 +5,10 @@ their method (sync / recompute / loglinear / metrics, from the run's saved train
 `--labels`. One PNG per figure, one curve per run:
   fig1_prox_time.png        seconds spent on proximal log-probs per optimizer step
   fig2_reward_wallclock.png training reward vs wall-clock
-  fig3_eval_reward.png      greedy eval accuracy vs step
+  fig2b_reward_step.png     training reward vs optimizer step
+  fig3_eval_reward.png      greedy eval accuracy vs step (the GreedyEvalCallback's log entries, and the
+                            `greedy_eval.json` list of {"step", "accuracy"} that benchmarks/learning_check.py
+                            writes next to trainer_state.json)
   fig4_entropy.png          policy entropy vs step
   fig5_importance_weight.png  behaviour importance weight max and min vs step
   fig6_clipped_tokens.png   fraction of clipped tokens vs step
@@ -17,10 +20,12 @@ import argparse
 import json
 import os
 
+EVAL_KEY = "eval/gsm8k_greedy_accuracy"
 FIGURES = {
     "fig1_prox_time": ("proximal log-prob time per step", "a3po/prox_time_s", "seconds", "step"),
     "fig2_reward_wallclock": ("training reward vs wall-clock", "reward", "reward", "wall"),
-    "fig3_eval_reward": ("greedy eval accuracy", "eval/gsm8k_greedy_accuracy", "accuracy", "step"),
+    "fig2b_reward_step": ("training reward vs step", "reward", "reward", "step"),
+    "fig3_eval_reward": ("greedy eval accuracy", EVAL_KEY, "accuracy", "step"),
     "fig4_entropy": ("policy entropy", "entropy", "entropy (nats)", "step"),
     "fig5_importance_weight": ("behaviour importance weight", ("a3po/behav_imp_weight/max", "a3po/behav_imp_weight/min"),
                                "pi_prox / pi_behav", "step"),
@@ -29,9 +34,21 @@ FIGURES = {
 
 
 def load_history(run_dir: str) -> list[dict]:
+    """The run's log history, plus the evaluations in `greedy_eval.json` when the folder has one."""
     path = run_dir if run_dir.endswith(".json") else os.path.join(run_dir, "trainer_state.json")
     with open(path) as f:
-        return json.load(f)["log_history"]
+        history = json.load(f)["log_history"]
+    extra = os.path.join(os.path.dirname(path), "greedy_eval.json")
+    if os.path.exists(extra):
+        with open(extra) as f:
+            evaluations = json.load(f)
+        for index, entry in enumerate(evaluations):
+            if not isinstance(entry, dict) or "step" not in entry or "accuracy" not in entry:
+                raise ValueError(f"{extra}: entry {index} needs 'step' and 'accuracy', got {entry!r}")
+        logged = {h["step"] for h in history if EVAL_KEY in h}  # the callback's own entries win
+        history = history + [{"step": e["step"], EVAL_KEY: e["accuracy"]} for e in evaluations
+                             if e["step"] not in logged]
+    return history
 
 
 def run_label(run_dir: str) -> str:
@@ -61,6 +78,9 @@ def series(history: list[dict], key: str, x_axis: str) -> tuple[list[float], lis
         else:
             xs.append(entry.get("step", len(xs)))
         ys.append(entry[key])
+    if x_axis == "step":  # entries from greedy_eval.json come after the log's own
+        pairs = sorted(zip(xs, ys), key=lambda pair: pair[0])
+        xs, ys = [x for x, _ in pairs], [y for _, y in pairs]
     return xs, ys
 
 
