@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -54,7 +55,7 @@ class VLLMServer:
         self.process = subprocess.Popen(
             [VLLM_PYTHON, "-m", "vllm.entrypoints.openai.api_server", "--host", "127.0.0.1", "--port", str(port),
              "--model", model_dir, "--dtype", "float32", "--max-model-len", "1024", "--enforce-eager"],
-            stdout=self.log, stderr=subprocess.STDOUT, env=env)
+            stdout=self.log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
 
     def __enter__(self):
         deadline = time.time() + 600
@@ -70,11 +71,14 @@ class VLLMServer:
         raise TimeoutError(f"the vLLM server did not start within 600 s; see {self.log.name}")
 
     def __exit__(self, *exc):
-        self.process.terminate()
+        # the whole process group: vLLM's engine and worker processes must not outlive it and take CPU from the
+        # training run timed next
+        os.killpg(self.process.pid, signal.SIGTERM)
         try:
             self.process.wait(timeout=60)
         except subprocess.TimeoutExpired:
-            self.process.kill()
+            os.killpg(self.process.pid, signal.SIGKILL)
+        time.sleep(5)
         self.log.close()
 
 
@@ -119,15 +123,20 @@ def train(method: str, args, out_dir: str) -> float:
 
 def summarize(method: str, run_dir: str, wall_s: float, before: dict, after: dict, window: int) -> dict:
     with open(os.path.join(run_dir, "trainer_state.json")) as f:
-        history = [h for h in json.load(f)["log_history"] if "reward" in h]
+        state = json.load(f)
+    logs = [h for h in state["log_history"] if "step_time" in h]
+    history = [h for h in logs if "reward" in h]  # TRL logs rewards once per generation batch
     rewards = [h["reward"] for h in history]
     accuracy = [h.get("rewards/gsm8k_accuracy_reward/mean", float("nan")) for h in history]
-    prox = [h["a3po/prox_time_s"] for h in history if "a3po/prox_time_s" in h]
+    prox = [h["a3po/prox_time_s"] for h in logs if "a3po/prox_time_s" in h]
+    step_times = [h["step_time"] for h in logs]
+    first_batch = logs[1]["step"] - 1 if len(logs) > 1 and "reward" not in logs[1] else 1  # warm-up batch
     return {
         "method": method,
-        "steps": len(history),
-        "wall_s": wall_s,
-        "step_s": statistics.median(h["step_time"] for h in history if "step_time" in h),
+        "steps": state["global_step"],
+        "wall_s": logs[-1].get("a3po/wall_time_s", wall_s),  # trainer's clock: model loading excluded
+        "process_s": wall_s,
+        "step_s": statistics.median(step_times[first_batch + 1:] or step_times),
         "prox_s": statistics.mean(prox) if prox else float("nan"),
         "reward_first": statistics.mean(rewards[:window]),
         "reward_last": statistics.mean(rewards[-window:]),
@@ -143,20 +152,21 @@ def main():
     parser.add_argument("--model", default="smollm2-135m-instruct")
     parser.add_argument("--dataset", default=default_dataset(), help="GSM8K: hub id or folder with train/test.jsonl")
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
-    parser.add_argument("--steps", type=int, default=40, help="optimizer steps per method (the same for all)")
+    parser.add_argument("--steps", type=int, default=20, help="optimizer steps per method (the same for all)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--learning-rate", type=float, default=1e-5)
+    parser.add_argument("--learning-rate", type=float, default=2e-5)
     parser.add_argument("--num-generations", type=int, default=8, help="samples per problem (8 per step)")
-    parser.add_argument("--completion-tokens", type=int, default=160)
-    parser.add_argument("--temperature", type=float, default=0.7)
+    parser.add_argument("--completion-tokens", type=int, default=128)
+    parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--max-solution-steps", type=int, default=2)
     parser.add_argument("--format-reward-weight", type=float, default=0.5)
     parser.add_argument("--eval-limit", type=int, default=200, help="held-out test problems for greedy accuracy")
-    parser.add_argument("--eval-tokens", type=int, default=256)
+    parser.add_argument("--eval-tokens", type=int, default=192)
     parser.add_argument("--eval-backend", choices=["vllm", "hf"],
                         default="vllm" if os.path.exists(VLLM_PYTHON) else "hf")
     parser.add_argument("--vllm-port", type=int, default=8031)
-    parser.add_argument("--window", type=int, default=10, help="steps averaged for first/last reward")
+    parser.add_argument("--window", type=int, default=3,
+                        help="generation batches (TRL logs one reward each) averaged for first/last reward")
     parser.add_argument("--out", default=os.path.join(REPO, "outputs", "learning_check"))
     parser.add_argument("--figures", default=os.path.join(REPO, "benchmarks", "figures"))
     args = parser.parse_args()

@@ -7,7 +7,7 @@ from PIL import Image
 from test_trainer import COMMON
 
 from trl_a3po import A3POConfig, A3POTrainer
-from trl_a3po.plot import FIGURES, main, series
+from trl_a3po.plot import FIGURES, load_history, main, series
 
 
 def short_run(tmp_path, tokenizer, dataset, name, **kwargs):
@@ -29,6 +29,12 @@ def test_plot_command_writes_every_figure_from_run_logs(tmp_path, tokenizer, pro
     history = json.loads((runs[0] / "trainer_state.json").read_text())["log_history"]
     xs, ys = series(history, "reward", "wall")
     assert len(xs) == 2 and all(x > 0 for x in xs)  # two generation batches, on a wall-clock axis
+    sync_history = json.loads((runs[2] / "trainer_state.json").read_text())["log_history"]
+    xs, _ = series(sync_history, "reward", "wall")
+    assert len(xs) == 2 and 0 < xs[0] < xs[1]  # the coupled (sync) run has the same clock
+    # evaluations written next to the log (benchmarks/learning_check.py) join the callback's entries, by step
+    (runs[0] / "greedy_eval.json").write_text(json.dumps([{"step": 4, "accuracy": 0.5}, {"step": 0, "accuracy": 0.25}]))
+    assert series(load_history(str(runs[0])), "eval/gsm8k_greedy_accuracy", "step") == ([0, 4], [0.25, 0.5])
     capsys.readouterr()  # drop the training logs
     main([str(r) for r in runs] + ["--out", str(tmp_path / "figs")])
     printed = capsys.readouterr().out.split()
@@ -39,3 +45,12 @@ def test_plot_command_writes_every_figure_from_run_logs(tmp_path, tokenizer, pro
     from trl_a3po.plot import run_label
 
     assert [run_label(str(r)) for r in runs] == ["loglinear", "recompute", "sync"]
+
+
+def test_greedy_eval_file_with_a_bad_entry_is_named(tmp_path):
+    (tmp_path / "trainer_state.json").write_text(json.dumps({"log_history": [{"step": 1, "reward": 0.5}]}))
+    (tmp_path / "greedy_eval.json").write_text(json.dumps([{"step": 0}]))
+    import pytest
+
+    with pytest.raises(ValueError, match="greedy_eval.json: entry 0 needs 'step' and 'accuracy'"):
+        load_history(str(tmp_path))

@@ -353,7 +353,11 @@ class A3POTrainer(GRPOTrainer):
         if self._queue is not None:
             self._queue.raise_if_failed()  # a producer failure surfaces within one step, with its traceback
         if not self.args.use_decoupled_loss:
-            return super()._compute_loss(model, inputs)
+            loss = super()._compute_loss(model, inputs)
+            if self.model.training and self.accelerator.sync_gradients:
+                # the same clock as the decoupled branch, so sync runs draw in the reward vs wall-clock figure
+                self._metrics["train"]["a3po/wall_time_s"].append(time.perf_counter() - self._train_start)
+            return loss
         mode = "train" if self.model.training else "eval"
         prompt_ids, prompt_mask = inputs["prompt_ids"], inputs["prompt_mask"]
         completion_ids, completion_mask = inputs["completion_ids"], inputs["completion_mask"]
