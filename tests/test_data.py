@@ -1,0 +1,55 @@
+"""GSM8K loading: the easy subset filter, the one-shot prompt, row validation."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from trl_a3po import gsm8k_prompt, load_gsm8k
+from trl_a3po.data import ONE_SHOT, solution_steps
+
+LOCAL = Path(__file__).resolve().parent.parent / "recipes" / "data" / "gsm8k"
+
+
+def rows(path):
+    return [json.loads(line) for line in (path).read_text().splitlines() if line.strip()]
+
+
+def test_solution_steps_counts_calculator_annotations():
+    assert solution_steps("Natalia sold 48/2 = <<48/2=24>>24.\nThen 48+24 = <<48+24=72>>72.\n#### 72") == 2
+    assert solution_steps("No calculation here.\n#### 5") == 0
+
+
+def test_easy_subset_keeps_exactly_the_short_solutions_in_file_order_before_the_limit():
+    raw = rows(LOCAL / "test.jsonl")
+    expected = [r["answer"] for r in raw if r["answer"].count("<<") <= 2]
+    subset = load_gsm8k(str(LOCAL), "test", max_solution_steps=2)
+    assert subset["answer"] == expected and 0 < len(expected) < len(raw)
+    first = load_gsm8k(str(LOCAL), "test", limit=5, max_solution_steps=2)
+    assert first["answer"] == expected[:5]  # the limit counts problems of the subset, not of the file
+
+
+def test_easy_subset_bad_bounds_are_named(tmp_path):
+    with pytest.raises(ValueError, match="max_solution_steps must be >= 0"):
+        load_gsm8k(str(LOCAL), "test", max_solution_steps=-1)
+    (tmp_path / "train.jsonl").write_text(json.dumps({"question": "q?", "answer": "<<1+1=2>>2\n#### 2"}) + "\n")
+    with pytest.raises(ValueError, match="no GSM8K problem .* has <= 0 solution steps"):
+        load_gsm8k(str(tmp_path), "train", max_solution_steps=0)
+
+
+def test_one_shot_prompt_puts_the_worked_example_before_the_question():
+    plain = gsm8k_prompt("How many?")
+    shot = gsm8k_prompt("How many?", one_shot=True)
+    assert shot == ONE_SHOT + plain and len(plain) == 1 and plain[0]["role"] == "user"
+    assert [m["role"] for m in shot] == ["user", "assistant", "user"]
+    assert shot[1]["content"].endswith("\\boxed{54}.")
+    dataset = load_gsm8k(str(LOCAL), "test", limit=2, one_shot=True)
+    assert all(p[:2] == ONE_SHOT and len(p) == 3 for p in dataset["prompt"])
+
+
+def test_malformed_row_is_named_by_its_line_even_past_the_limit(tmp_path):
+    good = {"question": "q?", "answer": "#### 1"}
+    lines = [good, good, {"question": "q?", "answer": "no reference"}]
+    (tmp_path / "test.jsonl").write_text("\n".join(json.dumps(r) for r in lines) + "\n")
+    with pytest.raises(ValueError, match="GSM8K row 2 of .* is malformed"):
+        load_gsm8k(str(tmp_path), "test", limit=1)
