@@ -22,13 +22,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import statistics
 import subprocess
 import sys
 import time
-
-import requests
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VLLM_PYTHON = os.path.join(REPO, ".venv-vllm", "bin", "python")
@@ -44,55 +41,21 @@ def default_dataset() -> str:
     return shared if os.path.isdir(shared) else "openai/gsm8k"
 
 
-class VLLMServer:
-    """A CPU vLLM server for one model folder, for greedy evaluation; stopped on exit."""
-
-    def __init__(self, model_dir: str, port: int, log_path: str):
-        self.base_url = f"http://127.0.0.1:{port}"
-        env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="2", OMP_NUM_THREADS=str(os.cpu_count() or 1),
-                   VLLM_CACHE_ROOT=os.path.join(os.path.dirname(log_path), "vllm-cache"))
-        self.log = open(log_path, "w")
-        self.process = subprocess.Popen(
-            [VLLM_PYTHON, "-m", "vllm.entrypoints.openai.api_server", "--host", "127.0.0.1", "--port", str(port),
-             "--model", model_dir, "--dtype", "float32", "--max-model-len", "1024", "--enforce-eager"],
-            stdout=self.log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-
-    def __enter__(self):
-        deadline = time.time() + 600
-        while time.time() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"the vLLM server exited with code {self.process.returncode}; see {self.log.name}")
-            try:
-                if requests.get(f"{self.base_url}/v1/models", timeout=5).ok:
-                    return self
-            except requests.ConnectionError:
-                pass
-            time.sleep(3)
-        raise TimeoutError(f"the vLLM server did not start within 600 s; see {self.log.name}")
-
-    def __exit__(self, *exc):
-        # the whole process group: vLLM's engine and worker processes must not outlive it and take CPU from the
-        # training run timed next
-        os.killpg(self.process.pid, signal.SIGTERM)
-        try:
-            self.process.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.process.pid, signal.SIGKILL)
-        time.sleep(5)
-        self.log.close()
-
-
 def greedy_accuracy(model_dir: str, args, log_dir: str) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from trl_a3po import gsm8k_greedy_accuracy, load_gsm8k
+    from trl_a3po.rollout.vllm_server import local_vllm_server
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     dataset = load_gsm8k(args.dataset, "test", args.eval_limit, args.max_solution_steps, one_shot=True)
     start = time.perf_counter()
     if args.eval_backend == "vllm":
-        with VLLMServer(model_dir, args.vllm_port, os.path.join(log_dir, "vllm-eval.log")) as server:
-            result = gsm8k_greedy_accuracy(dataset, tokenizer, vllm_base_url=server.base_url,
+        # all cores for the server (vLLM's CPU build otherwise drops to one thread)
+        env = {"VLLM_CPU_KVCACHE_SPACE": "2", "OMP_NUM_THREADS": str(os.cpu_count() or 1)}
+        with local_vllm_server(VLLM_PYTHON, model_dir, args.vllm_port, os.path.join(log_dir, "vllm-eval"),
+                               env=env) as url:
+            result = gsm8k_greedy_accuracy(dataset, tokenizer, vllm_base_url=url,
                                            batch_size=len(dataset), max_new_tokens=args.eval_tokens, progress=False)
     else:
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype="float32")
@@ -130,13 +93,14 @@ def summarize(method: str, run_dir: str, wall_s: float, before: dict, after: dic
     accuracy = [h.get("rewards/gsm8k_accuracy_reward/mean", float("nan")) for h in history]
     prox = [h["a3po/prox_time_s"] for h in logs if "a3po/prox_time_s" in h]
     step_times = [h["step_time"] for h in logs]
-    first_batch = logs[1]["step"] - 1 if len(logs) > 1 and "reward" not in logs[1] else 1  # warm-up batch
+    batch_starts = [i for i, h in enumerate(logs) if "reward" in h]
+    warm_up = batch_starts[1] if len(batch_starts) > 1 else 0  # the steps of the first generation batch
     return {
         "method": method,
         "steps": state["global_step"],
         "wall_s": logs[-1].get("a3po/wall_time_s", wall_s),  # trainer's clock: model loading excluded
         "process_s": wall_s,
-        "step_s": statistics.median(step_times[first_batch + 1:] or step_times),
+        "step_s": statistics.median(step_times[warm_up:] or step_times),
         "prox_s": statistics.mean(prox) if prox else float("nan"),
         "reward_first": statistics.mean(rewards[:window]),
         "reward_last": statistics.mean(rewards[-window:]),

@@ -2,12 +2,9 @@
 
 import os
 import socket
-import subprocess
-import time
 from pathlib import Path
 
 import pytest
-import requests
 import torch
 from conftest import digit_reward, make_tokenizer
 from test_trainer import COMMON, logged
@@ -15,7 +12,7 @@ from transformers import AutoModelForCausalLM, Qwen2Config
 
 from trl_a3po import A3POConfig, A3POTrainer
 from trl_a3po.rollout import PolicyWeights
-from trl_a3po.rollout.vllm_server import VLLMServerBackend
+from trl_a3po.rollout.vllm_server import VLLMServerBackend, local_vllm_server
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -53,38 +50,9 @@ def vllm_server(tmp_path_factory):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    for folder in ("cache", "rpc"):
-        (root / folder).mkdir()
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_SERVER_DEV_MODE": "1",
-           "VLLM_CACHE_ROOT": str(root / "cache"), "VLLM_RPC_BASE_PATH": str(root / "rpc")}
-    log = open(root / "server.log", "w")
-    server = subprocess.Popen(
-        [python, "-m", "vllm.entrypoints.openai.api_server", "--host", "127.0.0.1", "--port", str(port),
-         "--model", str(model_dir), "--dtype", "float32", "--max-model-len", "512", "--enforce-eager",
-         "--logprobs-mode", "processed_logprobs", "--max-logprobs", "-1"],
-        stdout=log, stderr=subprocess.STDOUT, env=env, cwd=root, start_new_session=True,
-    )
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
-    while True:
-        if server.poll() is not None:
-            raise RuntimeError(f"vLLM server exited ({server.returncode}):\n{(root / 'server.log').read_text()[-3000:]}")
-        try:
-            if requests.get(f"{url}/health", timeout=2).status_code == 200:
-                break
-        except requests.RequestException:
-            pass
-        if time.monotonic() > deadline:
-            server.kill()
-            raise TimeoutError(f"vLLM server not healthy in 300 s:\n{(root / 'server.log').read_text()[-3000:]}")
-        time.sleep(1)
-    yield {"port": port, "model_dir": model_dir, "tokenizer": tokenizer}
-    server.terminate()
-    try:
-        server.wait(30)
-    except subprocess.TimeoutExpired:
-        server.kill()
-    log.close()
+    with local_vllm_server(python, str(model_dir), port, str(root), max_model_len=512, timeout_s=300,
+                           env={"HF_HUB_OFFLINE": "1"}):
+        yield {"port": port, "model_dir": model_dir, "tokenizer": tokenizer}
 
 
 def make_trainer(tmp_path, server, prompt_dataset, **kwargs):
