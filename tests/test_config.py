@@ -24,9 +24,7 @@ def test_every_field_has_help():
     import dataclasses
 
     for f in dataclasses.fields(A3POConfig):
-        if f.name in ("prox_logp_method", "use_decoupled_loss", "behav_imp_weight_cap", "dual_clip_c",
-                      "vllm_importance_sampling_correction"):
-            assert f.metadata.get("help"), f.name
+        assert f.metadata.get("help"), f.name
 
 
 @pytest.mark.parametrize(
@@ -58,19 +56,28 @@ def test_coupled_mode_accepts_trl_only_loss_types(tmp_path):
 
 
 def test_staleness_bound_defaults_and_limits(tmp_path):
-    args = make(tmp_path, steps_per_generation=3)  # 3 micro-batches = 3 optimizer steps per generation batch
-    assert args.in_batch_staleness == 2
-    assert args.async_generation is True and args.max_staleness == 3  # one generation batch ahead
-    assert make(tmp_path, steps_per_generation=3, async_generation=False).max_staleness == 2
-    with pytest.raises(ValueError, match=r"max_staleness=1 is below .*\(2: .*set max_staleness >= 3"):
-        make(tmp_path, steps_per_generation=3, max_staleness=1)
-    with pytest.warns(UserWarning, match="no room to generate ahead"):
-        make(tmp_path, steps_per_generation=3, max_staleness=2)
-    # the paper's setup: 4 optimizer steps per generation batch
-    assert make(tmp_path, gradient_accumulation_steps=4, steps_per_generation=16).in_batch_staleness == 3
-    # two generation batches per optimizer step: no staleness from reuse
-    assert make(tmp_path, gradient_accumulation_steps=4, steps_per_generation=2).in_batch_staleness == 0
-    assert make(tmp_path, num_iterations=2, steps_per_generation=2).in_batch_staleness == 3
+    # max_staleness counts policy versions (training steps), whatever the optimizer steps per generation batch
+    for kwargs in (dict(), dict(steps_per_generation=3), dict(gradient_accumulation_steps=4, steps_per_generation=16),
+                   dict(num_iterations=2, steps_per_generation=2)):
+        assert make(tmp_path, **kwargs).max_staleness == 1  # asynchronous: one generation batch ahead
+        assert make(tmp_path, async_generation=False, **kwargs).max_staleness == 0
+    assert make(tmp_path, max_staleness=2).max_staleness == 2
+    with pytest.warns(UserWarning, match="max_staleness=0 leaves no room to generate ahead"):
+        make(tmp_path, max_staleness=0)
+    with pytest.raises(ValueError, match=r"max_staleness=-1 must be >= 0"):
+        make(tmp_path, max_staleness=-1)
+
+
+@pytest.mark.parametrize("kwargs", [dict(gradient_accumulation_steps=4, steps_per_generation=2),
+                                    dict(gradient_accumulation_steps=2, steps_per_generation=3)])
+def test_a_generation_batch_must_end_on_an_optimizer_step(tmp_path, kwargs):
+    with pytest.raises(ValueError, match=r"steps_per_generation \(\d\) x num_iterations \(1\) = \d micro-batches per "
+                                         r"generation batch must be a multiple of gradient_accumulation_steps"):
+        make(tmp_path, **kwargs)
+    # the coupled loss has no versions: TRL's own layouts stay available
+    assert make(tmp_path, use_decoupled_loss=False, **kwargs).steps_per_generation == kwargs["steps_per_generation"]
+    # num_iterations counts: 3 x 2 = 6 micro-batches end on the third optimizer step of 2 micro-batches each
+    assert make(tmp_path, gradient_accumulation_steps=2, steps_per_generation=3, num_iterations=2).max_staleness == 1
 
 
 @pytest.mark.parametrize(

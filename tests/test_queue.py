@@ -6,104 +6,124 @@ import time
 
 import pytest
 
-from trl_a3po.rollout import GeneratedBatch, GenerationQueue, PolicyWeights, ProducerError, StalenessSchedule
+from trl_a3po.rollout import GenerationQueue, ProducerError, StalenessBound
 
 
 class FakeBackend:
-    """Generates 'completions' that echo the prompt, tagged with the version it read; sleeps at random."""
+    """'Completions' that echo the prompt; the weights are {"version": v}, so every sample shows which version the
+    producer loaded before generating it. Sleeps at random; can be made to block until stopped."""
 
-    def __init__(self, weights, rng, max_delay):
-        self.weights, self.rng, self.max_delay = weights, rng, max_delay
+    def __init__(self, rng=None, max_delay=0.0):
+        self.rng, self.max_delay = rng or random.Random(0), max_delay
+        self.loaded = None
+        self.loads = []
         self.closed = False
+        self.block = False
 
-    def generate(self, prompt_ids, min_version):
-        with self.weights.reading() as (version, _):
-            pass
+    def stage(self, tensors):
+        return dict(tensors)
+
+    def load(self, tensors):
+        self.loaded = tensors["version"]
+        self.loads.append(self.loaded)
+        return 0.0
+
+    def generate(self, prompt_ids, stop):
         if self.max_delay and self.rng.random() < 0.5:
             time.sleep(self.rng.random() * self.max_delay)
-        return GeneratedBatch([list(p) for p in prompt_ids], [[0.0] * len(p) for p in prompt_ids],
-                              [version] * len(prompt_ids))
+        while self.block and not stop.is_set():
+            time.sleep(0.001)
+        return [list(p) + [self.loaded] for p in prompt_ids], [[0.0] * (len(p) + 1) for p in prompt_ids]
 
     def close(self):
         self.closed = True
 
 
-def run_schedule(seed, max_delay=0.0005):
-    """One random schedule: a fake trainer consumes batches micro-step by micro-step with random delays."""
-    rng = random.Random(seed)
-    accumulation = rng.randint(1, 4)
-    micro = rng.randint(1, 6)  # steps_per_generation * num_iterations
-    schedule_probe = StalenessSchedule(micro, accumulation, 0)
-    in_batch = max(schedule_probe.last_train_step(k) - schedule_probe.first_train_step(k) for k in range(accumulation))
-    eta = in_batch + rng.randint(0, 3)
-    schedule = StalenessSchedule(micro, accumulation, eta)
-    num_batches = rng.randint(1, 8)
+def weights(version):
+    return lambda: {"version": version}
 
-    weights = PolicyWeights(lambda: {}, version=0)
-    backend = FakeBackend(weights, random.Random(seed + 1), max_delay)
-    queue = GenerationQueue(backend, weights)
+
+def run_schedule(seed, max_delay=0.0005):
+    """One random schedule, driven like A3POTrainer drives the queue: at the start of training step k, publish
+    version k, submit what the bound allows, take batch k, then run the step's optimizer steps (random delays)."""
+    rng = random.Random(seed)
+    eta = rng.randint(0, 4)
+    optimizer_steps_per_version = rng.randint(1, 4)
+    num_batches = rng.randint(1, 10)
+    sync_every = rng.randint(1, 3)
+    bound = StalenessBound(eta)
+    backend = FakeBackend(random.Random(seed + 1), max_delay)
+    queue = GenerationQueue(backend, sync_every=sync_every)
     submitted, trained = 0, []
-    step = 0
     try:
-        for index in range(num_batches):
-            while submitted <= min(schedule.submit_until(index), num_batches - 1):
-                queue.submit(submitted, [[submitted, i] for i in range(3)], schedule.min_version(submitted))
+        for version in range(num_batches):
+            queue.publish(version, weights(version))
+            while submitted <= min(bound.last_submittable(version), num_batches - 1):
+                queue.submit(submitted, [[submitted, i] for i in range(3)], bound.min_version(submitted))
                 submitted += 1
-            result = queue.get(index, timeout=10)
-            assert result.index == index
-            for micro_step in range(index * micro, (index + 1) * micro):
-                assert micro_step // accumulation == step
-                for version in result.batch.versions:
-                    staleness = step - version
-                    assert 0 <= staleness <= eta, (seed, index, step, version, eta)
+            result = queue.get(version, timeout=10)
+            assert result.index == version
+            for ids, behaviour in zip(result.batch.completion_ids, result.batch.versions):
+                assert ids[-1] == behaviour  # the version recorded is the version the backend had loaded
+                assert 0 <= version - behaviour <= eta, (seed, version, behaviour, eta)
+            for _ in range(optimizer_steps_per_version):
                 if rng.random() < 0.3:
                     time.sleep(rng.random() * max_delay)
-                if (micro_step + 1) % accumulation == 0:  # optimizer step
-                    weights.begin_update()
-                    weights.end_update(step + 1)
-                    step += 1
-            trained.extend(tuple(p) for p in result.batch.completion_ids)
+            trained.extend(tuple(ids[:-1]) for ids in result.batch.completion_ids)
     finally:
         queue.close(timeout=10)
     expected = [(k, i) for k in range(num_batches) for i in range(3)]
     assert trained == expected, "a prompt was dropped, duplicated or reordered"
-    assert backend.closed
+    assert backend.loads == sorted(set(backend.loads)), "a version was loaded twice or out of order"
+    assert backend.closed and not queue._thread.is_alive()
 
 
 def test_thousands_of_random_schedules_keep_the_bound_order_and_finish():
-    start = time.perf_counter()
     for seed in range(2000):
-        run_schedule(seed)
-    assert time.perf_counter() - start < 120  # no schedule deadlocked (each get() has a 10 s timeout too)
+        run_schedule(seed)  # each get() has a 10 s timeout: a deadlock fails the test
 
 
-def test_schedule_min_version_exact():
-    # R = 3 micro-batches per generation batch, one micro-batch per optimizer step, eta = 3
-    schedule = StalenessSchedule(micro_steps_per_batch=3, accumulation_steps=1, max_staleness=3)
-    assert [schedule.last_train_step(k) for k in range(4)] == [2, 5, 8, 11]
-    assert [schedule.min_version(k) for k in range(4)] == [0, 2, 5, 8]
-    assert schedule.submit_until(0) == 1  # batch 1 may start once version 2 exists, during batch 0
-    # R = 2 micro-batches over gradient_accumulation_steps = 4: two generation batches per optimizer step
-    schedule = StalenessSchedule(2, 4, 1)
-    assert [schedule.last_train_step(k) for k in range(4)] == [0, 0, 1, 1]
-    assert [schedule.min_version(k) for k in range(6)] == [0, 0, 0, 0, 1, 1]
+def test_bound_exact():
+    bound = StalenessBound(max_staleness=2)
+    assert [bound.min_version(k) for k in range(6)] == [0, 0, 0, 1, 2, 3]
+    assert [bound.last_submittable(v) for v in range(3)] == [2, 3, 4]
+    synchronous = StalenessBound(0)
+    assert [synchronous.min_version(k) for k in range(3)] == [0, 1, 2]
+    assert synchronous.last_submittable(5) == 5
 
 
-def test_producer_waits_instead_of_generating_too_stale():
-    weights = PolicyWeights(lambda: {}, version=0)
-    backend = FakeBackend(weights, random.Random(0), 0)
-    queue = GenerationQueue(backend, weights)
+def test_stale_weights_are_loaded_only_when_the_bound_or_sync_every_needs_them():
+    backend = FakeBackend()
+    queue = GenerationQueue(backend, sync_every=3)
     try:
-        queue.submit(0, [[1]], min_version=2)
-        with pytest.raises(TimeoutError):
-            queue.get(0, timeout=0.3)  # nothing may be generated before version 2 exists
-        assert queue.pending == 1
-        for _ in range(2):
-            weights.begin_update()
-            weights.end_update()
-        result = queue.get(0, timeout=5)
-        assert result.batch.versions == [2]
-        assert result.bound_wait_s >= 0.25
+        queue.publish(0, weights(0))
+        queue.submit(0, [[0]], min_version=0)
+        assert queue.get(0, timeout=5).batch.versions == [0]
+        queue.publish(1, weights(1))
+        queue.submit(1, [[1]], min_version=0)  # version 0 is allowed and only 1 behind: no load
+        assert queue.get(1, timeout=5).batch.versions == [0]
+        queue.publish(2, weights(2))
+        queue.submit(2, [[2]], min_version=2)  # the bound needs version 2
+        assert queue.get(2, timeout=5).batch.versions == [2]
+        for version in (3, 4, 5):
+            queue.publish(version, weights(version))
+        queue.submit(3, [[3]], min_version=0)  # 3 versions behind the newest: sync_every=3 loads it
+        assert queue.get(3, timeout=5).batch.versions == [5]
+        assert backend.loads == [0, 2, 5]
+    finally:
+        queue.close()
+
+
+def test_submitting_before_the_version_exists_is_refused():
+    queue = GenerationQueue(FakeBackend())
+    try:
+        with pytest.raises(ValueError, match=r"batch 0 needs version >= 0, but the newest published is None"):
+            queue.submit(0, [[1]], min_version=0)
+        queue.publish(0, weights(0))
+        with pytest.raises(ValueError, match=r"batch 0 needs version >= 1, but the newest published is 0"):
+            queue.submit(0, [[1]], min_version=1)
+        with pytest.raises(ValueError, match=r"increasing order: 0 after 0"):
+            queue.publish(0, weights(0))
     finally:
         queue.close()
 
@@ -113,36 +133,78 @@ def test_producer_exception_surfaces_with_the_original_error():
         pass
 
     class FailingBackend(FakeBackend):
-        def generate(self, prompt_ids, min_version):
+        def generate(self, prompt_ids, stop):
             raise Boom("generation exploded")
 
-    weights = PolicyWeights(lambda: {})
-    queue = GenerationQueue(FailingBackend(weights, random.Random(0), 0), weights)
+    queue = GenerationQueue(FailingBackend())
+    queue.publish(0, weights(0))
     queue.submit(0, [[1]], 0)
     with pytest.raises(ProducerError, match="generation exploded") as info:
         queue.get(0, timeout=5)
     assert isinstance(info.value.__cause__, Boom)
     with pytest.raises(ProducerError):
         queue.raise_if_failed()
+    with pytest.raises(ProducerError):  # every later call re-raises, none blocks
+        queue.get(1, timeout=5)
     queue.close()
-
-
-def test_close_stops_a_producer_blocked_on_the_bound():
-    weights = PolicyWeights(lambda: {})
-    queue = GenerationQueue(FakeBackend(weights, random.Random(0), 0), weights)
-    queue.submit(0, [[1]], min_version=10)  # can never be generated
-    time.sleep(0.05)
-    queue.close(timeout=5)
     assert not queue._thread.is_alive()
-    assert threading.active_count() < 50
 
 
-def test_submissions_must_be_in_order():
-    weights = PolicyWeights(lambda: {})
-    queue = GenerationQueue(FakeBackend(weights, random.Random(0), 0), weights)
+@pytest.mark.parametrize("state", ["idle", "mid-generation"])
+def test_close_stops_the_producer_promptly(state):
+    backend = FakeBackend()
+    queue = GenerationQueue(backend)
+    if state == "mid-generation":
+        backend.block = True  # a generation that only the stop event ends
+        queue.publish(0, weights(0))
+        queue.submit(0, [[1]], 0)
+        time.sleep(0.05)
+    start = time.perf_counter()
+    queue.close(timeout=5)
+    assert time.perf_counter() - start < 1.0
+    assert not queue._thread.is_alive()
+    assert backend.closed
+
+
+def test_batches_are_submitted_and_taken_in_order():
+    queue = GenerationQueue(FakeBackend())
     try:
+        queue.publish(0, weights(0))
         queue.submit(0, [[1]], 0)
         with pytest.raises(ValueError, match="in order: expected 1, got 2"):
             queue.submit(2, [[1]], 0)
+        with pytest.raises(KeyError, match="batch 1 was never submitted"):
+            queue.get(1, timeout=1)
+        assert queue.get(0, timeout=5).index == 0
+        with pytest.raises(ValueError, match="taken in order: expected 1, got 0"):
+            queue.get(0, timeout=1)  # taking a batch twice is an error, not an endless wait
     finally:
+        queue.close()
+
+
+def test_the_trainer_never_blocks_the_producer_outside_a_reference_swap():
+    # The lock guards one reference: a publish in progress on the trainer's side (staging a large model) must not
+    # hold it while staging.
+    staged = threading.Event()
+    release = threading.Event()
+
+    class SlowStage(FakeBackend):
+        def stage(self, tensors):
+            staged.set()
+            release.wait(5)
+            return dict(tensors)
+
+    backend = SlowStage()
+    queue = GenerationQueue(backend)
+    try:
+        publisher = threading.Thread(target=queue.publish, args=(0, weights(0)))
+        publisher.start()
+        assert staged.wait(5)
+        assert queue._weights_lock.acquire(timeout=1)  # free while the trainer stages
+        queue._weights_lock.release()
+        release.set()
+        publisher.join(5)
+        assert queue.published_version == 0
+    finally:
+        release.set()
         queue.close()

@@ -1,5 +1,7 @@
 """A3POTrainer end to end on a tiny model: loss equivalences, forward counts, metrics, LoRA, errors."""
 
+import collections
+
 import pytest
 import torch
 from conftest import digit_reward, make_model
@@ -32,16 +34,17 @@ def make_trainer(tmp_path, tokenizer, dataset, trainer_cls=A3POTrainer, config_c
     )
 
 
-def count_logp_forwards(trainer):
-    """Wrap the trainer's log-prob forward; count calls with and without autograd."""
+def count_logp_forwards(monkeypatch):
+    """Count GRPOTrainer's log-prob forwards (the real ones: A3POTrainer's skip of TRL's old-log-prob forward never
+    reaches it), with and without autograd."""
     counts = {"grad": 0, "no_grad": 0}
-    original = trainer._get_per_token_logps_and_entropies
+    original = GRPOTrainer._get_per_token_logps_and_entropies
 
-    def counted(*args, **kwargs):
+    def counted(self, *args, **kwargs):
         counts["grad" if torch.is_grad_enabled() else "no_grad"] += 1
-        return original(*args, **kwargs)
+        return original(self, *args, **kwargs)
 
-    trainer._get_per_token_logps_and_entropies = counted
+    monkeypatch.setattr(GRPOTrainer, "_get_per_token_logps_and_entropies", counted)
     return counts
 
 
@@ -137,43 +140,92 @@ def test_stale_batch_uses_loglinear_prox(tmp_path, tokenizer, prompt_dataset):
 
 
 @pytest.mark.parametrize("method", ["loglinear", "recompute", "metrics"])
-def test_training_runs_counts_forwards_and_logs_metrics(tmp_path, tokenizer, prompt_dataset, method):
-    # Synchronous generation, 3 optimizer steps per generation batch (gradient_accumulation_steps=1): staleness
-    # 0, 1, 2 within each batch, from TRL's own batch reuse.
+def test_training_runs_counts_forwards_and_logs_metrics(tmp_path, tokenizer, prompt_dataset, method, monkeypatch):
+    # Synchronous generation, 3 optimizer steps per generation batch (gradient_accumulation_steps=1): one policy
+    # version per generation batch, so every sample is trained at staleness 0 and alpha 1 (the paper's d = 0).
     trainer = make_trainer(tmp_path, tokenizer, prompt_dataset, prox_logp_method=method, steps_per_generation=3,
                            max_steps=6, async_generation=False)
-    counts = count_logp_forwards(trainer)
+    counts = count_logp_forwards(monkeypatch)
     before = [p.detach().clone() for p in trainer.model.parameters()]
     trainer.train()
 
     assert counts["grad"] == 6  # one training forward per micro-batch
-    assert counts["no_grad"] == {"loglinear": 0, "recompute": 2, "metrics": 2}[method]  # 2 generation batches
-    assert logged(trainer, "a3po/staleness/mean") == [0, 1, 2, 0, 1, 2]
-    assert logged(trainer, "a3po/alpha/mean") == [1, 1, 0.5, 1, 1, 0.5]
+    # TRL's "old log-prob" forward is skipped; recompute runs its own, once per training step (2 generation batches)
+    assert counts["no_grad"] == {"loglinear": 0, "recompute": 2, "metrics": 2}[method]
+    assert logged(trainer, "a3po/staleness/mean") == [0] * 6
+    assert logged(trainer, "a3po/staleness/max") == [0] * 6
+    assert logged(trainer, "a3po/alpha/mean") == [1] * 6
     for key in ("a3po/behav_imp_weight/mean", "a3po/behav_imp_weight/min", "a3po/behav_imp_weight/max",
                 "a3po/capped_frac", "clip_ratio/low_mean", "clip_ratio/high_mean", "a3po/ratio/min",
-                "a3po/ratio/max", "a3po/prox_time_s", "a3po/staleness/max"):
+                "a3po/ratio/max", "a3po/prox_time_s", "a3po/staleness/frac_d0"):
         assert len(logged(trainer, key)) == 6, key
-    # fresh samples are on-policy: the behaviour weight is 1 up to generate-vs-forward float noise
-    assert logged(trainer, "a3po/behav_imp_weight/mean")[0] == pytest.approx(1.0, abs=1e-5)
+    weights = logged(trainer, "a3po/behav_imp_weight/mean")
+    if method == "loglinear":  # d = 0: the proximal policy is exactly the behaviour policy
+        assert weights == [1.0] * 6
+    else:  # the recomputed anchor is the behaviour policy up to generate-vs-forward float noise
+        assert all(w == pytest.approx(1.0, abs=1e-5) for w in weights)
     prox_time = logged(trainer, "a3po/prox_time_s")
     if method == "loglinear":
         assert all(t < 0.05 for t in prox_time)
-    else:  # the recompute forward lands in the first step of each generation batch
-        assert prox_time[0] > 0 and prox_time[3] > 0
+    else:  # the recompute forward lands in the first optimizer step of each training step
+        assert prox_time[0] > max(prox_time[1:3]) and prox_time[3] > max(prox_time[4:6])
     if method == "metrics":
-        errors = logged(trainer, "a3po/prox_error/loglinear/abs")
-        assert len(errors) == 6 and all(e >= 0 for e in errors)
-        assert len(logged(trainer, "a3po/prox_error/linear/abs/d2")) == 2
-        assert len(logged(trainer, "a3po/prox_error/rollout/rel")) == 6
+        # Like with like: each approximation is compared with the anchor recomputed for the same training step. At
+        # d = 0 all three approximations are the behaviour log-probs, so their errors are equal and float noise.
+        for key in ("abs", "rel", "abs/d0"):
+            errors = {m: logged(trainer, f"a3po/prox_error/{m}/{key}") for m in ("loglinear", "linear", "rollout")}
+            assert len(errors["loglinear"]) == 6
+            assert errors["linear"] == pytest.approx(errors["loglinear"], abs=1e-7)
+            assert errors["rollout"] == pytest.approx(errors["loglinear"], abs=1e-7)
+        assert max(logged(trainer, "a3po/prox_error/loglinear/abs")) < 1e-5
     after = list(trainer.model.parameters())
     assert any(not torch.equal(a, b) for a, b in zip(after, before)), "training did not change the weights"
 
 
-def test_grpotrainer_would_pay_a_forward_that_loglinear_skips(tmp_path, tokenizer, prompt_dataset):
+def test_sync_loglinear_and_recompute_train_the_same_weights(tmp_path, tokenizer, prompt_dataset):
+    # The paper's layout (4 optimizer steps per generation batch), synchronous: d = 0 everywhere, so loglinear's
+    # anchor is the behaviour policy and recompute's is a forward of the same weights. At a learning rate where the
+    # ratio clips, the two must still end with the same weights.
+    trained = {}
+    for method in ("loglinear", "recompute"):
+        trainer = make_trainer(tmp_path / method, tokenizer, prompt_dataset, prox_logp_method=method,
+                               steps_per_generation=4, max_steps=8, async_generation=False, learning_rate=3e-2,
+                               lr_scheduler_type="constant", behav_imp_weight_cap=None)
+        trainer.train()
+        assert logged(trainer, "a3po/staleness/max") == [0] * 8
+        assert logged(trainer, "a3po/alpha/mean") == [1] * 8
+        clipped = logged(trainer, "clip_ratio/region_mean")
+        assert max(clipped) > 0.05, clipped  # the trust region is active: the anchors matter
+        trained[method] = {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
+    for name, weight in trained["loglinear"].items():
+        assert torch.allclose(weight, trained["recompute"][name], atol=1e-4), name
+
+
+def test_metrics_mode_buckets_the_error_by_staleness(tmp_path, tokenizer, prompt_dataset):
+    # Two samples at d = 2, one at d = 3, one at d = 0: each bucket's error, computed by hand.
+    trainer = make_trainer(tmp_path, tokenizer, prompt_dataset, prox_logp_method="metrics")
+    staleness = torch.tensor([2, 3, 2, 0])
+    behav = torch.tensor([[-1.0, -2.0], [-0.5, -1.5], [-3.0, -1.0], [-2.0, -2.0]])
+    logp = torch.tensor([[-1.4, -1.0], [-0.9, -1.5], [-1.0, -1.0], [-1.0, -3.0]])
+    prox = torch.tensor([[-1.1, -1.6], [-0.6, -1.5], [-2.5, -1.0], [-2.0, -2.0]])
+    mask = torch.tensor([[1, 1], [1, 0], [1, 0], [1, 1]])
+    metrics = collections.defaultdict(list)
+    trainer._log_prox_approximation_errors(metrics, staleness, mask, logp, behav, prox)
+    # loglinear: d=2 -> (behav + logp) / 2; d=3 -> behav/3 + 2 logp/3; d=0 -> behav
+    # d=2: sample 0: prox (-1.1, -1.6) vs (-1.2, -1.5): 0.1, 0.1; sample 2 (token 0): (-2.0) vs -2.5: 0.5
+    assert metrics["a3po/prox_error/loglinear/abs/d2"] == [pytest.approx(0.7 / 3)]
+    # d=3: sample 1 (token 0): -0.5/3 - 1.8/3 = -0.7667 vs -0.6
+    assert metrics["a3po/prox_error/loglinear/abs/d3"] == [pytest.approx(2.3 / 3 - 0.6)]
+    assert metrics["a3po/prox_error/loglinear/abs/d0"] == [pytest.approx(0.0)]
+    assert metrics["a3po/prox_error/rollout/abs/d2"] == [pytest.approx((0.1 + 0.4 + 0.5) / 3)]
+    overall = (0.1 + 0.1 + 0.5 + (2.3 / 3 - 0.6) + 0.0 + 0.0) / 6
+    assert metrics["a3po/prox_error/loglinear/abs"] == [pytest.approx(overall)]
+
+
+def test_grpotrainer_would_pay_a_forward_that_loglinear_skips(tmp_path, tokenizer, prompt_dataset, monkeypatch):
     grpo = make_trainer(tmp_path, tokenizer, prompt_dataset, GRPOTrainer, GRPOConfig, steps_per_generation=3,
                         max_steps=3)
-    counts = count_logp_forwards(grpo)
+    counts = count_logp_forwards(monkeypatch)
     grpo.train()
     assert counts == {"grad": 3, "no_grad": 1}
 
@@ -216,7 +268,7 @@ def test_requires_a3po_config(tmp_path, tokenizer, prompt_dataset):
         make_trainer(tmp_path, tokenizer, prompt_dataset, config_cls=GRPOConfig)
 
 
-def test_lora_training(tmp_path, tokenizer, prompt_dataset):
+def test_lora_training(tmp_path, tokenizer, prompt_dataset, monkeypatch):
     from peft import LoraConfig
 
     args = A3POConfig(output_dir=str(tmp_path), steps_per_generation=2, max_steps=2, async_generation=False, **COMMON)
@@ -228,7 +280,7 @@ def test_lora_training(tmp_path, tokenizer, prompt_dataset):
         processing_class=tokenizer,
         peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0),
     )
-    counts = count_logp_forwards(trainer)
+    counts = count_logp_forwards(monkeypatch)
     lora_b = {n: p for n, p in trainer.model.named_parameters() if "lora_B" in n}
     assert lora_b and all(torch.count_nonzero(p) == 0 for p in lora_b.values())  # PEFT starts B at zero
     base = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if "lora" not in n}
@@ -236,18 +288,20 @@ def test_lora_training(tmp_path, tokenizer, prompt_dataset):
     assert counts == {"grad": 2, "no_grad": 0}
     assert any(torch.count_nonzero(p) > 0 for p in lora_b.values()), "LoRA weights did not move"
     assert all(torch.equal(p, base[n]) for n, p in trainer.model.named_parameters() if "lora" not in n)
-    assert logged(trainer, "a3po/staleness/mean") == [0, 1]
+    assert logged(trainer, "a3po/staleness/mean") == [0, 0]
 
 
-def test_num_iterations_reuse_is_stale_and_weighted(tmp_path, tokenizer, prompt_dataset):
-    # num_iterations=2 trains each generation batch twice: staleness 0..3 over a 2-slice batch, then again
+def test_num_iterations_reuse_is_one_version(tmp_path, tokenizer, prompt_dataset, monkeypatch):
+    # num_iterations=2 trains each generation batch twice (4 optimizer steps): all of it is one training step, so
+    # one policy version: staleness 0, and no extra forward (TRL would run its old-log-prob forward here).
     trainer = make_trainer(tmp_path, tokenizer, prompt_dataset, steps_per_generation=2, num_iterations=2,
                            max_steps=8, async_generation=False)
-    counts = count_logp_forwards(trainer)
+    counts = count_logp_forwards(monkeypatch)
     trainer.train()
-    assert logged(trainer, "a3po/staleness/mean") == [0, 1, 2, 3, 0, 1, 2, 3]
-    assert logged(trainer, "a3po/alpha/mean") == [1, 1, 0.5, pytest.approx(1 / 3)] * 2
-    assert counts == {"grad": 8, "no_grad": 0}  # TRL would run its old-log-prob forward here; loglinear does not
-    # stale tokens are reweighted: the behaviour weight moves off 1 once the policy has moved (d >= 2)
-    weights_max = logged(trainer, "a3po/behav_imp_weight/max")
-    assert weights_max[0] == pytest.approx(1.0, abs=1e-5) and weights_max[3] > 1.0 + 1e-4
+    assert logged(trainer, "a3po/staleness/mean") == [0] * 8
+    assert logged(trainer, "a3po/alpha/mean") == [1] * 8
+    assert counts == {"grad": 8, "no_grad": 0}
+    # the proximal anchor is the behaviour policy for the whole training step: the weight stays exactly 1 while the
+    # ratio moves away from 1 in the later optimizer steps of the step
+    assert logged(trainer, "a3po/behav_imp_weight/max") == [1.0] * 8
+    assert max(logged(trainer, "a3po/ratio/max")[1:4]) > 1.0 + 1e-4

@@ -81,10 +81,12 @@ class A3POConfig(GRPOConfig):
     max_staleness: int | None = field(
         default=None,
         metadata={
-            "help": "eta: the largest staleness (optimizer steps between the generating and the trained policy) any "
-            "sample may be trained with; the producer waits rather than exceed it, and nothing is dropped. None = "
-            "the smallest value that lets generation overlap training: the staleness TRL's own batch reuse "
-            "(steps_per_generation, num_iterations) creates, plus one generation batch ahead."
+            "help": "eta: the largest staleness any sample may be trained with, in policy versions (training steps: "
+            "one generation batch consumed by all its optimizer steps). The producer generates batch k only with "
+            "weights of version >= k - eta; it waits rather than exceed the bound, and nothing is dropped. None = 1 "
+            "with async_generation (the smallest value that overlaps generation with training: the next batch is "
+            "generated while this one trains), 0 without. At staleness <= 1 loglinear's alpha is 1 (the proximal "
+            "policy is the behaviour policy), so the A-3PO approximation itself engages from staleness 2."
         },
     )
     rollout_backend: str = field(
@@ -117,23 +119,10 @@ class A3POConfig(GRPOConfig):
     weight_sync_steps: int = field(
         default=1,
         metadata={
-            "help": "Push weights to the generator once at least this many optimizer steps have passed since the "
-            "last push (and always when the staleness bound needs newer weights)."
+            "help": "Load a newer policy version into the generator only when the one it holds is at least this "
+            "many versions (training steps) old, or older than the staleness bound allows. 1 = every version."
         },
     )
-
-    @property
-    def optimizer_steps_per_generation_batch(self) -> float:
-        return self.steps_per_generation * self.num_iterations / self.gradient_accumulation_steps
-
-    @property
-    def in_batch_staleness(self) -> int:
-        """The staleness TRL's batch reuse alone creates: the optimizer steps between a generation batch's first and
-        last micro-batch (0 when each batch feeds exactly one optimizer step)."""
-        micro = self.steps_per_generation * self.num_iterations
-        accumulation = self.gradient_accumulation_steps
-        # The pattern repeats with period `accumulation` batches.
-        return max(((k + 1) * micro - 1) // accumulation - (k * micro) // accumulation for k in range(accumulation))
 
     def __post_init__(self):
         if self.vllm_importance_sampling_correction is None:
@@ -154,6 +143,17 @@ class A3POConfig(GRPOConfig):
         self._validate_generation()
         if not self.use_decoupled_loss:
             return
+        micro_steps = self.steps_per_generation * self.num_iterations
+        if micro_steps % self.gradient_accumulation_steps:
+            # A policy version is the weights after a whole generation batch has been trained; a batch that ends
+            # inside an optimizer step would have no such weights.
+            raise ValueError(
+                f"A3POConfig: steps_per_generation ({self.steps_per_generation}) x num_iterations "
+                f"({self.num_iterations}) = {micro_steps} micro-batches per generation batch must be a multiple of "
+                f"gradient_accumulation_steps ({self.gradient_accumulation_steps}), so that every generation batch ends "
+                "on an optimizer step (the end of a policy version); e.g. set steps_per_generation to a multiple of "
+                "gradient_accumulation_steps."
+            )
 
         unsupported = {
             "loss_type": (
@@ -207,22 +207,15 @@ class A3POConfig(GRPOConfig):
             )
         if self.weight_sync_steps < 1:
             raise ValueError(f"weight_sync_steps={self.weight_sync_steps} must be >= 1.")
-        needed = self.in_batch_staleness + (1 if self.async_generation else 0)
         if self.max_staleness is None:
-            self.max_staleness = needed
-        if self.max_staleness < self.in_batch_staleness:
-            raise ValueError(
-                f"max_staleness={self.max_staleness} is below the staleness TRL's batch reuse already creates "
-                f"({self.in_batch_staleness}: steps_per_generation={self.steps_per_generation} x num_iterations="
-                f"{self.num_iterations} micro-batches over gradient_accumulation_steps="
-                f"{self.gradient_accumulation_steps}); set max_staleness >= {needed}."
-            )
-        if self.async_generation and self.max_staleness < needed:
+            self.max_staleness = 1 if self.async_generation else 0
+        if self.max_staleness < 0:
+            raise ValueError(f"max_staleness={self.max_staleness} must be >= 0 (policy versions).")
+        if self.async_generation and self.max_staleness == 0:
             # Valid, but the producer can only start a batch once the trainer needs it: asynchronous in form only.
             warnings.warn(
-                f"max_staleness={self.max_staleness} leaves no room to generate ahead (TRL's batch reuse alone gives "
-                f"staleness {self.in_batch_staleness}): generation will not overlap training. Set max_staleness >= "
-                f"{needed} for overlap.",
+                "max_staleness=0 leaves no room to generate ahead: generation will not overlap training. Set "
+                "max_staleness >= 1 for overlap (2+ for the A-3PO approximation to engage).",
                 stacklevel=3,
             )
         if self.async_generation:

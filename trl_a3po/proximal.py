@@ -23,11 +23,12 @@ AGGREGATIONS = ("grpo", "bnpo", "dr_grpo", "dapo")
 def staleness_alpha(staleness: torch.Tensor) -> torch.Tensor:
     """alpha = 1 / max(d, 1): the weight of the behaviour policy in the proximal interpolation.
 
-    d <= 1 gives alpha = 1, i.e. prox = behav: one optimizer step behind, the behaviour policy *is* the last
-    proximal policy (AReaL's reference code behaves the same way).
+    Staleness d is counted in policy versions (training steps). d <= 1 gives alpha = 1, i.e. prox = behav: one
+    version behind, the behaviour policy *is* the last proximal policy (AReaL's reference code behaves the same
+    way); in synchronous training (d = 0) the proximal policy is exactly the behaviour policy.
     """
     if torch.is_floating_point(staleness):
-        raise TypeError("staleness counts optimizer steps and must be an integer tensor")
+        raise TypeError("staleness counts policy versions and must be an integer tensor")
     if (staleness < 0).any():
         raise ValueError(f"staleness must be >= 0 (the behaviour policy cannot be newer than the trainer); got "
                          f"min {int(staleness.min())}")

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import copy
+import threading
 import time
 
 import torch
-from transformers import GenerationConfig, PreTrainedModel
+from transformers import GenerationConfig, PreTrainedModel, StoppingCriteria, StoppingCriteriaList
 
-from .queue import GeneratedBatch, PolicyWeights
 
 
 def left_pad(prompt_ids: list[list[int]], pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -28,6 +28,7 @@ def generate_with_behavior_logprobs(
     generation_config: GenerationConfig,
     pad_token_id: int,
     eos_token_ids: list[int],
+    stop: threading.Event | None = None,
 ) -> tuple[list[list[int]], list[list[float]]]:
     """Sample one completion per prompt; return the completion ids (up to and including the first EOS) and, for
     each sampled token, its log-prob under the distribution it was sampled from.
@@ -35,7 +36,8 @@ def generate_with_behavior_logprobs(
     That distribution is `generate`'s processed scores (temperature, top-k, top-p and every other processor
     applied), i.e. exactly the behaviour policy. TRL's own HF-generate path returns no log-probs, hence this
     function. The scores of all steps are held until the end of generation (B x T x V floats): fine for the
-    in-process backend's batch sizes; large-vocabulary, long-generation runs belong on a vLLM server.
+    in-process backend's batch sizes; large-vocabulary, long-generation runs belong on a vLLM server. Once `stop` is
+    set, generation ends at the next token (the caller discards the incomplete result).
     """
     device = model.device
     input_ids, attention_mask = left_pad(prompt_ids, pad_token_id)
@@ -47,7 +49,10 @@ def generate_with_behavior_logprobs(
     # every new token would recompute the whole sequence.
     generation_config.use_cache = True
     out = model.generate(
-        input_ids=input_ids.to(device), attention_mask=attention_mask.to(device), generation_config=generation_config
+        input_ids=input_ids.to(device),
+        attention_mask=attention_mask.to(device),
+        generation_config=generation_config,
+        stopping_criteria=StoppingCriteriaList([_StopWhenSet(stop)]) if stop is not None else None,
     )
     completion = out.sequences[:, width:]
     num_steps = min(len(out.scores), completion.size(1))
@@ -74,50 +79,55 @@ class InProcessBackend:
     """Generates on a private snapshot of the policy, in the producer thread (CPU, or the trainer's one GPU).
 
     The snapshot is a plain model built from the policy's config (never a deep copy of the trainer's model, whose
-    forward TRL patches), refreshed from `PolicyWeights` before a batch whenever a newer version exists. LoRA
-    policies arrive already merged (the trainer's `tensors_fn` merges), so generation runs at full-model speed.
+    forward TRL patches). `stage` (trainer's main thread) copies a published version's weights to the snapshot's
+    device; `load` (producer thread, between generations) copies them into the snapshot. LoRA policies arrive
+    already merged (the trainer merges), so generation runs at full-model speed.
     """
 
-    def __init__(self, snapshot: PreTrainedModel, weights: PolicyWeights, generation_config: GenerationConfig, pad_token_id: int,
+    def __init__(self, snapshot: PreTrainedModel, generation_config: GenerationConfig, pad_token_id: int,
                  eos_token_ids: list[int]):
         self.snapshot = snapshot.eval().requires_grad_(False)
-        self.weights = weights
         self.generation_config = generation_config
         self.pad_token_id = pad_token_id
         self.eos_token_ids = eos_token_ids
-        self.version = -1
+        params = self.snapshot.state_dict()
+        self._device = next(iter(params.values())).device
+        # A tied lm_head shares the embedding's storage: loading the embedding loads it.
+        self._names = [name for name in params if not _is_tied(self.snapshot, name)]
 
-    def refresh(self) -> float:
-        """Copy the newest published weights into the snapshot; return the seconds it took (0 if current)."""
-        if self.weights.version == self.version:
-            return 0.0
+    def stage(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        missing = [name for name in self._names if name not in tensors]
+        if missing:
+            raise KeyError(f"the policy's weights lack {missing[:5]} (of {len(missing)}) for the snapshot")
+        with torch.no_grad():
+            return {name: tensors[name].detach().to(self._device, copy=True) for name in self._names}
+
+    def load(self, tensors: dict[str, torch.Tensor]) -> float:
         start = time.perf_counter()
         params = self.snapshot.state_dict()
-        # The copy runs on the default CUDA stream, behind the optimizer step's kernels: it reads the new weights
-        # whole even though the trainer released the lock when it *launched* the step.
-        with torch.no_grad(), self.weights.reading() as (version, tensors):
-            missing = [name for name in params if name not in tensors and not _is_tied(self.snapshot, name)]
-            if missing:
-                raise KeyError(f"the policy's weights lack {missing[:5]} (of {len(missing)}) for the snapshot")
+        with torch.no_grad():
             for name, tensor in tensors.items():
-                if name in params:
-                    params[name].copy_(tensor)
-            self.version = version
+                params[name].copy_(tensor)
         return time.perf_counter() - start
 
-    def generate(self, prompt_ids: list[list[int]], min_version: int):
-        sync_s = self.refresh()
-        start = time.perf_counter()
+    def generate(self, prompt_ids: list[list[int]], stop: threading.Event):
         with torch.no_grad():
-            completion_ids, logprobs = generate_with_behavior_logprobs(
-                self.snapshot, prompt_ids, self.generation_config, self.pad_token_id, self.eos_token_ids
+            return generate_with_behavior_logprobs(
+                self.snapshot, prompt_ids, self.generation_config, self.pad_token_id, self.eos_token_ids, stop=stop
             )
-        return GeneratedBatch(
-            completion_ids, logprobs, [self.version] * len(prompt_ids), time.perf_counter() - start, sync_s
-        )
 
     def close(self) -> None:
         pass
+
+
+class _StopWhenSet(StoppingCriteria):
+    """Ends `generate` at the next token once `event` is set (training is ending)."""
+
+    def __init__(self, event: threading.Event):
+        self.event = event
+
+    def __call__(self, input_ids, scores, **kwargs):
+        return torch.full((input_ids.size(0),), self.event.is_set(), dtype=torch.bool, device=input_ids.device)
 
 
 def _is_tied(model: PreTrainedModel, name: str) -> bool:

@@ -4,23 +4,24 @@ Completions come from the OpenAI-compatible `/v1/completions` endpoint with toke
 (`return_token_ids`) and their log-probs (`logprobs: 0`); start the server with
 `--logprobs-mode processed_logprobs` so those are the log-probs of the distribution actually sampled from.
 
-Weights are pushed by the producer thread between two batches, so no request is ever mid-generation during a push
-and every sample has exactly one behaviour version.
+Weights are pushed by the producer thread between two batches, so no request of this process is ever mid-generation
+during a push and every sample has exactly one behaviour version.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import subprocess
+import threading
 import time
 from urllib.parse import urlparse
 
 import requests
 import torch
 
-from .queue import GeneratedBatch, PolicyWeights
 
 
 class VLLMServerUnreachable(ConnectionError):
@@ -28,21 +29,24 @@ class VLLMServerUnreachable(ConnectionError):
 
 
 class VLLMServerBackend:
+    """Completions from a vLLM server for the producer; `load` pushes a published version's weights to the server.
+
+    The producer calls `load` and `generate` one after the other, so no request is mid-generation during a push and
+    every sample has exactly one behaviour version. Requests stream their tokens, so `close()` can abandon a
+    generation at its next token instead of waiting for the whole batch.
+    """
+
     def __init__(
         self,
         base_url: str,
-        weights: PolicyWeights,
         transport,
         sampling: dict,
-        weight_sync_steps: int = 1,
         request_timeout_s: float = 3600.0,
         connect_timeout_s: float = 5.0,
     ):
         self.base_url = base_url.rstrip("/")
-        self.weights = weights
         self.transport = transport
         self.sampling = sampling
-        self.weight_sync_steps = weight_sync_steps
         self.request_timeout_s = request_timeout_s
         self.session = requests.Session()  # no retries: an unreachable server must fail fast, not back off
         try:
@@ -56,10 +60,9 @@ class VLLMServerBackend:
                 "Start it first (README: 'vLLM server'), or check vllm_server_host / vllm_server_port / "
                 "vllm_server_base_url."
             ) from error
-        self.version = -1  # what the server holds is unknown until the first push
 
     @classmethod
-    def from_config(cls, args, weights: PolicyWeights, eos_token_ids: list[int]) -> VLLMServerBackend:
+    def from_config(cls, args, eos_token_ids: list[int]) -> VLLMServerBackend:
         base_url = args.vllm_server_base_url or f"http://{args.vllm_server_host}:{args.vllm_server_port}"
         transport_name = args.weight_sync_transport
         if transport_name == "auto":
@@ -78,7 +81,7 @@ class VLLMServerBackend:
             "stop_token_ids": eos_token_ids,
             **(args.generation_kwargs or {}),
         }
-        return cls(base_url, weights, transport, sampling, args.weight_sync_steps)
+        return cls(base_url, transport, sampling)
 
     # -------------------------------------------------------------- HTTP
 
@@ -95,39 +98,50 @@ class VLLMServerBackend:
 
     # -------------------------------------------------------------- backend interface
 
-    def push_weights(self) -> float:
-        """Send the newest published weights to the server; return the seconds it took."""
+    def stage(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {name: self.transport.stage(tensor) for name, tensor in tensors.items()}
+
+    def load(self, tensors: dict[str, torch.Tensor]) -> float:
+        """Push a staged version to the server; return the seconds it took."""
         start = time.perf_counter()
-        with self.weights.reading() as (version, tensors):
-            # Copy under the lock (the optimizer waits), push outside it (the trainer runs on).
-            staged = {name: self.transport.stage(t) for name, t in tensors.items()}
-        self.transport.push(self, staged)
-        self.version = version
+        self.transport.push(self, tensors)
         return time.perf_counter() - start
 
-    def generate(self, prompt_ids: list[list[int]], min_version: int) -> GeneratedBatch:
-        sync_s = 0.0
-        if self.version < min_version or self.weights.version - self.version >= self.weight_sync_steps:
-            sync_s = self.push_weights()
-        start = time.perf_counter()
+    def generate(self, prompt_ids: list[list[int]], stop: threading.Event):
         payload = {
             "model": self.model,
             "prompt": prompt_ids,
             "n": 1,
             "logprobs": 0,
             "return_token_ids": True,
+            "stream": True,
             **self.sampling,
         }
-        choices = self.post("/v1/completions", payload)["choices"]
-        choices = sorted(choices, key=lambda choice: choice["index"])
-        completion_ids = [choice["token_ids"] for choice in choices]
-        # vLLM writes null for a NaN log-prob; the trainer rejects non-finite values by sample.
-        logprobs = [
-            [float("nan") if lp is None else lp for lp in choice["logprobs"]["token_logprobs"]] for choice in choices
-        ]
-        return GeneratedBatch(
-            completion_ids, logprobs, [self.version] * len(prompt_ids), time.perf_counter() - start, sync_s
-        )
+        completion_ids = [[] for _ in prompt_ids]
+        logprobs = [[] for _ in prompt_ids]
+        with self.session.post(f"{self.base_url}/v1/completions", json=payload, stream=True,
+                               timeout=self.request_timeout_s) as response:
+            if response.status_code != 200:
+                raise RuntimeError(f"vLLM server /v1/completions failed: {response.status_code} "
+                                   f"{response.text[:500]}")
+            # Server-sent events, one per step and prompt. Closing the response aborts the request on the server.
+            for line in response.iter_lines():
+                if stop.is_set():
+                    break
+                if not line.startswith(b"data: ") or line == b"data: [DONE]":
+                    continue
+                for choice in json.loads(line[len(b"data: "):]).get("choices", []):
+                    row = choice["index"]
+                    completion_ids[row].extend(choice.get("token_ids") or [])
+                    # vLLM writes null for a NaN log-prob; the trainer rejects non-finite values by sample.
+                    logprobs[row].extend(
+                        float("nan") if lp is None else lp for lp in (choice.get("logprobs") or {}).get(
+                            "token_logprobs", [])
+                    )
+        for row, (ids, lps) in enumerate(zip(completion_ids, logprobs)):
+            if len(ids) != len(lps) and not stop.is_set():
+                raise RuntimeError(f"vLLM returned {len(ids)} token ids but {len(lps)} log-probs for prompt {row}")
+        return completion_ids, logprobs
 
     def close(self) -> None:
         self.transport.close()
