@@ -29,9 +29,9 @@ METHODS = {
     "sync": dict(use_decoupled_loss=False, async_generation=False),
     "recompute": dict(prox_logp_method="recompute", async_generation=True),
     "loglinear": dict(prox_logp_method="loglinear", async_generation=True),
-    # the same code path with the bound at TRL's own in-batch staleness: the producer cannot run ahead, so
-    # generation (in-process or on the server) and training take turns: the synchronous schedule, A-3PO's loss
-    "loglinear-noahead": dict(prox_logp_method="loglinear", async_generation=True, max_staleness="in_batch"),
+    # the same code path with max_staleness=0: the producer cannot run ahead, so generation (in-process or on the
+    # server) and training take turns: the synchronous schedule, A-3PO's loss
+    "loglinear-noahead": dict(prox_logp_method="loglinear", async_generation=True, max_staleness=0),
 }
 
 
@@ -49,10 +49,7 @@ def run(method: str, args, tokenizer, dataset) -> dict:
     spec = dict(METHODS[method])
     trainer_cls, config_cls = spec.pop("trainer", A3POTrainer), spec.pop("config", A3POConfig)
     if config_cls is A3POConfig and spec.get("async_generation"):
-        if spec.get("max_staleness") == "in_batch":
-            spec["max_staleness"] = (args.steps_per_generation - 1)  # gradient_accumulation_steps = 1 here
-        else:
-            spec["max_staleness"] = args.max_staleness
+        spec.setdefault("max_staleness", args.max_staleness)
         if args.backend == "vllm_server":
             spec.update(rollout_backend="vllm_server", vllm_server_port=args.vllm_port, weight_sync_transport="disk")
     config = config_cls(

@@ -141,16 +141,9 @@ def record_trained_samples(trainer):
     return samples
 
 
-@pytest.mark.parametrize("async_generation", [True, False])
-def test_every_sample_behaviour_logprobs_come_from_its_recorded_version(tmp_path, tokenizer, prompt_dataset,
-                                                                        async_generation):
-    trainer = make(tmp_path, tokenizer, prompt_dataset, steps_per_generation=2, max_steps=12, max_staleness=2,
-                   learning_rate=1e-2, async_generation=async_generation)
-    versions = VersionRecorder(trainer)
-    trainer.add_callback(versions)
-    samples = record_trained_samples(trainer)
-    trainer.train()
-    assert len(samples) == 12
+def check_behaviour_logprobs_against_versions(trainer, versions, samples, atol):
+    """For every trained sample: its behaviour log-probs equal those the weights of its recorded behaviour version
+    give it (a forward of those weights after training). Returns the number of samples checked."""
     replay = trainer.model  # TRL's patched forward; training is over, so it can carry each version's weights
     replay.eval()
     checked = 0
@@ -167,9 +160,22 @@ def test_every_sample_behaviour_logprobs_come_from_its_recorded_version(tmp_path
                 )
             mask = inputs["completion_mask"][rows].bool()
             diff = (logp - inputs["sampling_per_token_logps"][rows]).abs()[mask]
-            assert diff.max().item() < 1e-5, (version, diff.max().item())
+            assert diff.max().item() < atol, (version, diff.max().item())
             checked += int(rows.sum())
-    assert checked == 12 * 4  # every trained sample
+    return checked
+
+
+@pytest.mark.parametrize("async_generation", [True, False])
+def test_every_sample_behaviour_logprobs_come_from_its_recorded_version(tmp_path, tokenizer, prompt_dataset,
+                                                                        async_generation):
+    trainer = make(tmp_path, tokenizer, prompt_dataset, steps_per_generation=2, max_steps=12, max_staleness=2,
+                   learning_rate=1e-2, async_generation=async_generation)
+    versions = VersionRecorder(trainer)
+    trainer.add_callback(versions)
+    samples = record_trained_samples(trainer)
+    trainer.train()
+    assert len(samples) == 12
+    assert check_behaviour_logprobs_against_versions(trainer, versions, samples, atol=1e-5) == 12 * 4
     # the check has teeth: versions differ (the learning rate moves the weights), and async runs ahead
     first, last = versions.weights[0], versions.weights[max(versions.weights)]
     assert any(not torch.allclose(first[k], last[k]) for k in first)

@@ -59,12 +59,15 @@ def test_recipe_full_finetune_then_eval(tiny_model_dir, tmp_path):
     run([sys.executable, *recipe_args(tiny_model_dir, tmp_path / "out")])
     history = trainer_log(tmp_path / "out")
     steps = [h for h in history if "a3po/staleness/max" in h]
-    assert len(steps) == 3 and all(h["a3po/staleness/max"] <= 2 for h in steps)
+    # 2 optimizer steps per generation batch (one policy version), one batch ahead: the first batch is fresh
+    staleness = [h["a3po/staleness/max"] for h in steps]
+    assert staleness[:2] == [0, 0] and staleness[2] <= 1
     assert "rewards/gsm8k_accuracy_reward/mean" in history[0]
-    assert any("eval/gsm8k_greedy_accuracy" in h for h in history)
+    evals = [h["eval/gsm8k_greedy_accuracy"] for h in history if "eval/gsm8k_greedy_accuracy" in h]
     assert (tmp_path / "out" / "model.safetensors").exists()
     result = evaluate(tmp_path / "out")
-    assert result["total"] == 4 and 0.0 <= result["accuracy"] <= 1.0
+    # the script on the saved model repeats the callback's evaluation of the final weights (same 4 problems)
+    assert result["total"] == 4 and result["accuracy"] == evals[-1]
 
 
 def test_recipe_lora_then_eval_the_adapter(tiny_model_dir, tmp_path):

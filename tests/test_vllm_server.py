@@ -2,16 +2,17 @@
 
 import os
 import socket
+import threading
 from pathlib import Path
 
 import pytest
 import torch
 from conftest import digit_reward, make_tokenizer
+from test_async import VersionRecorder, check_behaviour_logprobs_against_versions, record_trained_samples
 from test_trainer import COMMON, logged
 from transformers import AutoModelForCausalLM, Qwen2Config
 
 from trl_a3po import A3POConfig, A3POTrainer
-from trl_a3po.rollout import PolicyWeights
 from trl_a3po.rollout.vllm_server import VLLMServerBackend, local_vllm_server
 
 REPO = Path(__file__).resolve().parent.parent
@@ -64,9 +65,9 @@ def make_trainer(tmp_path, server, prompt_dataset, **kwargs):
 
 
 def server_vs_trainer_logprob_error(backend, trainer, prompt):
-    batch = backend.generate([prompt] * 4, min_version=backend.version)
+    completion_ids, logprobs_list = backend.generate([prompt] * 4, threading.Event())
     errors = []
-    for completion, logprobs in zip(batch.completion_ids, batch.logprobs):
+    for completion, logprobs in zip(completion_ids, logprobs_list):
         ids = torch.tensor([prompt + completion])
         with torch.no_grad():
             logits = trainer.model(input_ids=ids).logits[0, len(prompt) - 1 : -1] / trainer.args.temperature
@@ -77,28 +78,35 @@ def server_vs_trainer_logprob_error(backend, trainer, prompt):
 
 def test_disk_sync_makes_the_server_match_the_trainers_weights(tmp_path, vllm_server, prompt_dataset):
     trainer = make_trainer(tmp_path, vllm_server, prompt_dataset)
-    weights = PolicyWeights(trainer._policy_tensors)
-    backend = VLLMServerBackend.from_config(trainer.args, weights, list(trainer.eos_token_ids))
+    backend = VLLMServerBackend.from_config(trainer.args, list(trainer.eos_token_ids))
     prompt = vllm_server["tokenizer"]("Question 7: what is 7 plus 8?").input_ids
     trainer.model.eval()
     with torch.no_grad():  # the trainer moves away from the weights the server started with
         for p in trainer.model.parameters():
             p.add_(0.05 * torch.randn_like(p))
-    backend.version = 0  # pretend the server is current, to measure the mismatch before the push
-    assert server_vs_trainer_logprob_error(backend, trainer, prompt) > 1e-2
-    seconds = backend.push_weights()
+    assert server_vs_trainer_logprob_error(backend, trainer, prompt) > 1e-2  # the server still has the old weights
+    seconds = backend.load(backend.stage(trainer._policy_tensors()))
     assert seconds > 0
     assert server_vs_trainer_logprob_error(backend, trainer, prompt) < 1e-4
     backend.close()
 
 
 def test_async_training_on_the_vllm_server_respects_the_bound(tmp_path, vllm_server, prompt_dataset):
-    trainer = make_trainer(tmp_path, vllm_server, prompt_dataset, steps_per_generation=2, max_steps=6,
-                           weight_sync_transport="disk")
+    trainer = make_trainer(tmp_path, vllm_server, prompt_dataset, steps_per_generation=2, max_steps=8,
+                           weight_sync_transport="disk", max_staleness=2, learning_rate=1e-2)
+    versions = VersionRecorder(trainer)
+    trainer.add_callback(versions)
+    samples = record_trained_samples(trainer)
     trainer.train()
     staleness = logged(trainer, "a3po/staleness/max")
-    assert len(staleness) == 6 and max(staleness) <= trainer.args.max_staleness == 2
-    assert all(s > 0 for s in logged(trainer, "a3po/gen/weight_sync_s"))  # pushed before every batch
+    assert len(staleness) == 8 and max(staleness) <= trainer.args.max_staleness == 2
+    # The version invariant: every sample's behaviour log-probs are those of the weights of its recorded version
+    # (server-side sampling vs a trainer forward: float32 on both sides, different kernels).
+    assert check_behaviour_logprobs_against_versions(trainer, versions, samples, atol=1e-3) == 8 * 4
+    # a push happens exactly when the producer moves to a newer version: once per distinct behaviour version
+    behaviour_versions = {int(v) for inputs in samples for v in inputs["behavior_version"]}
+    pushes = [s for s in logged(trainer, "a3po/gen/weight_sync_s") if s > 0]
+    assert len(pushes) == len(behaviour_versions) and len(behaviour_versions) >= 2
     # at staleness <= 1 the proximal policy is the behaviour policy: weight exactly 1
     for d, w_min, w_max in zip(staleness, logged(trainer, "a3po/behav_imp_weight/min"),
                                logged(trainer, "a3po/behav_imp_weight/max")):
@@ -108,7 +116,7 @@ def test_async_training_on_the_vllm_server_respects_the_bound(tmp_path, vllm_ser
 
 
 def test_greedy_eval_on_the_vllm_server_matches_hf_generate(vllm_server, tmp_path):
-    from trl_a3po import gsm8k_greedy_accuracy, load_gsm8k
+    from trl_a3po import gsm8k_accuracy_reward, gsm8k_greedy_accuracy, load_gsm8k
     from trl_a3po.evaluation import _render, generate_greedy_hf, generate_greedy_vllm
     from trl_a3po.rollout.vllm_server import DiskTransport
 
@@ -116,12 +124,14 @@ def test_greedy_eval_on_the_vllm_server_matches_hf_generate(vllm_server, tmp_pat
     tokenizer = vllm_server["tokenizer"]
     model = AutoModelForCausalLM.from_pretrained(vllm_server["model_dir"], dtype=torch.float32).eval()
     # earlier tests trained the server's weights: put the folder's weights back first
-    backend = VLLMServerBackend(url, PolicyWeights(model.state_dict), DiskTransport(str(tmp_path)), sampling={})
-    backend.push_weights()
+    backend = VLLMServerBackend(url, DiskTransport(str(tmp_path)), sampling={})
+    backend.load(backend.stage(model.state_dict()))
     dataset = load_gsm8k(str(REPO / "recipes" / "data" / "gsm8k"), "test", limit=4)
     result = gsm8k_greedy_accuracy(dataset, tokenizer, vllm_base_url=url, batch_size=2, max_new_tokens=8,
                                    progress=False)
-    assert result["total"] == 4 and 0.0 <= result["accuracy"] <= 1.0
     prompt_ids = _render(tokenizer, dataset["prompt"])
-    assert generate_greedy_vllm(url, prompt_ids, 8) == generate_greedy_hf(model, tokenizer, prompt_ids, 8)
+    texts = generate_greedy_hf(model, tokenizer, prompt_ids, 8)
+    assert generate_greedy_vllm(url, prompt_ids, 8) == texts
+    expected = sum(gsm8k_accuracy_reward(texts, dataset["answer"])) / 4
+    assert result["total"] == 4 and result["accuracy"] == expected
     backend.close()

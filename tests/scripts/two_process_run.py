@@ -1,5 +1,5 @@
-"""Run by tests/test_accelerate.py under `accelerate launch --cpu --num_processes 2`: a few steps on a tiny model,
-writing each rank's scored prompts and the logged staleness to OUT_DIR/rank<r>.json."""
+"""Run by tests/test_accelerate.py under `accelerate launch --multi_gpu --num_processes 2` (CPU, gloo): a few steps
+on a tiny model, writing each rank's scored prompts and the logged staleness to OUT_DIR/<mode>-rank<r>.json."""
 
 import json
 import sys
