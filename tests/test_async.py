@@ -196,7 +196,8 @@ def test_async_lora_snapshot_generates_with_the_merged_policy(tmp_path, tokenize
 
     snapshot = AutoModelForCausalLM.from_config(trainer.model.get_base_model().config)
     backend = InProcessBackend(snapshot, trainer.generation_config, 0, [1])
-    backend.load(backend.stage(trainer._policy_tensors()))
+    with trainer._full_policy_tensors() as tensors:
+        backend.load(backend.stage(tensors))
     ids = torch.randint(5, 200, (2, 7))
     trainer.model.eval()
     with torch.no_grad():

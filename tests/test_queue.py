@@ -40,7 +40,7 @@ class FakeBackend:
 
 
 def weights(version):
-    return lambda: {"version": version}
+    return {"version": version}
 
 
 def run_schedule(seed, max_delay=0.0005):

@@ -9,6 +9,7 @@ import pytest
 import torch
 from conftest import digit_reward, make_tokenizer
 from test_async import VersionRecorder, check_behaviour_logprobs_against_versions, record_trained_samples
+from test_accelerate import check_ranks_follow_the_synchronous_shards, launch
 from test_trainer import COMMON, logged
 from transformers import AutoModelForCausalLM, Qwen2Config
 
@@ -53,7 +54,7 @@ def vllm_server(tmp_path_factory):
         port = s.getsockname()[1]
     with local_vllm_server(python, str(model_dir), port, str(root), max_model_len=512, timeout_s=300,
                            env={"HF_HUB_OFFLINE": "1"}):
-        yield {"port": port, "model_dir": model_dir, "tokenizer": tokenizer}
+        yield {"port": port, "model_dir": model_dir, "tokenizer": tokenizer, "log": root / "server.log"}
 
 
 def make_trainer(tmp_path, server, prompt_dataset, **kwargs):
@@ -85,7 +86,8 @@ def test_disk_sync_makes_the_server_match_the_trainers_weights(tmp_path, vllm_se
         for p in trainer.model.parameters():
             p.add_(0.05 * torch.randn_like(p))
     assert server_vs_trainer_logprob_error(backend, trainer, prompt) > 1e-2  # the server still has the old weights
-    seconds = backend.load(backend.stage(trainer._policy_tensors()))
+    with trainer._full_policy_tensors() as tensors:
+        seconds = backend.load(backend.stage(tensors))
     assert seconds > 0
     assert server_vs_trainer_logprob_error(backend, trainer, prompt) < 1e-4
     backend.close()
@@ -135,3 +137,33 @@ def test_greedy_eval_on_the_vllm_server_matches_hf_generate(vllm_server, tmp_pat
     expected = sum(gsm8k_accuracy_reward(texts, dataset["answer"])) / 4
     assert result["total"] == 4 and result["accuracy"] == expected
     backend.close()
+
+
+def weight_pushes_logged(server):
+    """The server's access log: one `reload_weights` RPC per disk push."""
+    return server["log"].read_text().count('"POST /collective_rpc HTTP/1.1" 200')
+
+
+def test_two_processes_share_one_server_with_one_push_per_version(tmp_path, vllm_server):
+    # The production shape: several training processes, one vLLM server. The main process owns the server's weights
+    # and generates every rank's share; each rank trains exactly its synchronous share.
+    sync = launch(tmp_path, "sync")
+    before = weight_pushes_logged(vllm_server)
+    ranks = launch(tmp_path, "vllm", vllm_server["port"], vllm_server["model_dir"])
+    pushes = weight_pushes_logged(vllm_server) - before
+    check_ranks_follow_the_synchronous_shards(sync, ranks)
+    for rank in range(2):
+        assert ranks[rank]["checked"] == 16  # every sample against the weights of its recorded version
+    versions = sorted(set(ranks[0]["behaviour_versions"]) | set(ranks[1]["behaviour_versions"]))
+    assert len(versions) >= 2
+    assert pushes == len(versions)  # one push per version the generator used, not one per rank
+
+
+def test_nccl_transport_has_one_communicator_and_one_push_per_version(tmp_path, vllm_server):
+    # NCCL needs GPUs: TRL's client is replaced by a recorder; generation still runs on the real server.
+    ranks = launch(tmp_path, "vllm-nccl-standin", vllm_server["port"], vllm_server["model_dir"])
+    main, other = ranks[0]["client_calls"], ranks[1]["client_calls"]
+    versions = set(ranks[0]["behaviour_versions"]) | set(ranks[1]["behaviour_versions"])
+    assert main["init_communicator"] == 1 and main["close_communicator"] == 1
+    assert main["pushes"] == main["reset_prefix_cache"] == len(versions) >= 2
+    assert other == {key: 0 for key in other}  # the other rank never talks to the server's weights

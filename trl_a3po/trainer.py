@@ -26,7 +26,7 @@ import time
 
 import torch
 from accelerate.data_loader import BatchSamplerShard
-from accelerate.utils import is_peft_model
+from accelerate.utils import broadcast_object_list, is_peft_model
 from torch.utils.data import BatchSampler
 from transformers import AutoModelForCausalLM, TrainerCallback
 from trl import GRPOTrainer
@@ -36,7 +36,7 @@ from trl.trainer.utils import nanmax, nanmin, split_tensor_dict
 
 from .config import A3POConfig
 from .proximal import PROX_APPROXIMATIONS, aggregate_loss, approximate_prox_logp, decoupled_ppo_loss, staleness_alpha
-from .rollout import GenerationQueue, InProcessBackend, StalenessBound, generate_with_behavior_logprobs
+from .rollout import GenerationQueue, InProcessBackend, ProducerError, StalenessBound, generate_with_behavior_logprobs
 
 
 class _ResumeAlignmentCallback(TrainerCallback):
@@ -97,9 +97,9 @@ class A3POTrainer(GRPOTrainer):
         # Set while TRL scores a generation batch whose "old log-prob" forward the decoupled loss does not need.
         self._skip_old_logp_forward = False
         # Asynchronous generation: built at the first training batch, closed when training ends.
-        self._queue: GenerationQueue | None = None
-        self._bound: StalenessBound | None = None
-        self._prompt_plan = None  # iterator over this process's future generation batches, in the sampler's order
+        self._queue: GenerationQueue | None = None  # on the processes that run a producer (see `_runs_producer`)
+        self._bound: StalenessBound | None = None  # set on every process once generation has started
+        self._prompt_plans = None  # per process served: iterator over its future generation batches, sampler order
         self._submitted = 0  # generation batches handed to the producer so far
         self._taken_versions: list[int] | None = None  # behaviour versions of the batch being scored
         if self.args.async_generation:
@@ -108,11 +108,11 @@ class A3POTrainer(GRPOTrainer):
                     "async_generation=True supports single-turn text prompts; tools, environment_factory and "
                     "rollout_func need async_generation=False."
                 )
-            zero3 = self.is_deepspeed_enabled and self.accelerator.state.deepspeed_plugin.zero_stage == 3
-            if zero3 or self.is_fsdp_enabled:
+            if (self._dist.is_zero3 or self._dist.is_fsdp) and is_peft_model(self.accelerator.unwrap_model(self.model)):
                 raise ValueError(
-                    "async_generation=True needs whole (unsharded) parameters to hand to the generator; with FSDP or "
-                    "DeepSpeed ZeRO-3 set async_generation=False, or train with DDP / ZeRO-2."
+                    "async_generation=True with a PEFT adapter on sharded parameters (FSDP or DeepSpeed ZeRO-3) is not "
+                    "supported (the merged weights would have to be built from shards); set async_generation=False, "
+                    "or train the adapter with DDP / ZeRO-2 (a LoRA model fits on one GPU)."
                 )
             if isinstance(self.train_dataset, torch.utils.data.IterableDataset):
                 raise ValueError(
@@ -128,11 +128,14 @@ class A3POTrainer(GRPOTrainer):
         return self.args.steps_per_generation * self.num_iterations
 
     @property
+    def _optimizer_steps_per_version(self) -> int:
+        # A3POConfig checks that a generation batch spans a whole number of optimizer steps.
+        return self._micro_steps_per_generation // self.args.gradient_accumulation_steps
+
+    @property
     def policy_version(self) -> int:
-        """The version being trained: training steps completed (A3POConfig checks that a generation batch spans a
-        whole number of optimizer steps)."""
-        optimizer_steps_per_version = self._micro_steps_per_generation // self.args.gradient_accumulation_steps
-        return self.state.global_step // optimizer_steps_per_version
+        """The version being trained: the number of training steps completed."""
+        return self.state.global_step // self._optimizer_steps_per_version
 
     # ------------------------------------------------------------------ asynchronous generation
 
@@ -146,20 +149,31 @@ class A3POTrainer(GRPOTrainer):
     def _close_queue(self) -> None:
         if self._queue is not None:
             self._queue.close()
-        self._queue = self._prompt_plan = None
+        self._queue = self._prompt_plans = self._bound = None
 
-    def _generation_batches(self, start: int):
-        """This process's generation batches (dataset rows) in the synchronous trainer's order, from `start` on.
+    @property
+    def _runs_producer(self) -> bool:
+        """In-process generation: every process generates its own share on its own snapshot. A vLLM server: the main
+        process alone generates every process's share and hands each its part, so the server's weights have one
+        owner (one push per version, from one process) and no request is mid-generation during a push."""
+        return self.args.rollout_backend == "inprocess" or self.accelerator.is_main_process
+
+    @property
+    def _serves_other_processes(self) -> bool:
+        return self.args.rollout_backend == "vllm_server" and self.accelerator.num_processes > 1
+
+    def _generation_batches(self, start: int, process_index: int):
+        """One process's generation batches (dataset rows) in the synchronous trainer's order, from `start` on.
 
         The same sampler, seed and Accelerate sharding as the training dataloader (which yields each generation batch
-        R = steps_per_generation * num_iterations times in a row); the trainer checks every batch against it.
+        R = steps_per_generation * num_iterations times in a row); every process checks its share against it.
         """
         sampler = self._get_train_sampler()
         per_process = self._train_batch_size * self.args.steps_per_generation
         batches = BatchSamplerShard(
             BatchSampler(sampler, per_process, drop_last=self.args.dataloader_drop_last),
             num_processes=self.accelerator.num_processes,
-            process_index=self.accelerator.process_index,
+            process_index=process_index,
             split_batches=False,
             even_batches=self.accelerator.even_batches,
         )
@@ -180,10 +194,15 @@ class A3POTrainer(GRPOTrainer):
                 index += 1
 
     def _start_queue(self, start: int) -> None:
+        self._bound = StalenessBound(self.args.max_staleness)
+        self._submitted = start
+        if not self._runs_producer:
+            return
         if self.args.rollout_backend == "inprocess":
             model = self.accelerator.unwrap_model(self.model)
             base = model.get_base_model() if is_peft_model(model) else model
-            snapshot = AutoModelForCausalLM.from_config(base.config, dtype=next(base.parameters()).dtype)
+            # the dtype from the model, not a parameter: under FSDP or ZeRO-3 the parameters may be flat shards
+            snapshot = AutoModelForCausalLM.from_config(base.config, dtype=base.dtype)
             snapshot.to(self.accelerator.device)
             backend = InProcessBackend(
                 snapshot,
@@ -191,35 +210,33 @@ class A3POTrainer(GRPOTrainer):
                 pad_token_id=self._tokenizer.pad_token_id,
                 eos_token_ids=list(self.eos_token_ids),
             )
+            served = [self.accelerator.process_index]
         else:
             from .rollout.vllm_server import VLLMServerBackend
 
             backend = VLLMServerBackend.from_config(self.args, list(self.eos_token_ids))
+            served = list(range(self.accelerator.num_processes))
         self._queue = GenerationQueue(backend, sync_every=self.args.weight_sync_steps)
-        self._bound = StalenessBound(self.args.max_staleness)
-        self._prompt_plan = self._generation_batches(start)
-        self._submitted = start
+        self._prompt_plans = [self._generation_batches(start, p) for p in served]
 
-    def _policy_tensors(self) -> dict[str, torch.Tensor]:
-        """The policy's weights under plain HF names, sharing the live storage (the queue stages a copy); LoRA
-        adapters merged (W + scale * B @ A) without touching the live model."""
+    @contextlib.contextmanager
+    def _full_policy_tensors(self):
+        """The policy's whole weights under plain HF names, sharing the live storage (the queue stages a copy); LoRA
+        adapters merged (W + scale * B @ A) without touching the live model. With sharded parameters (DeepSpeed
+        ZeRO-3, FSDP) every process must enter this together: gathering is a collective."""
         model = self.accelerator.unwrap_model(self.model)
-        if not is_peft_model(model):
-            return model.state_dict()
-        from peft.tuners.lora import LoraLayer
+        if self._dist.is_zero3:
+            with self._dist.gather_params(list(model.parameters())):  # TRL's ZeRO-3 gather (DeepSpeed)
+                yield _hf_named_tensors(model)
+        elif self._dist.fsdp_version == 1:
+            from torch.distributed.fsdp import FullyShardedDataParallel
 
-        base = model.get_base_model()
-        tensors = {}
-        for name, tensor in base.state_dict().items():
-            if "lora_" in name or ".original_module." in name:
-                continue
-            tensors[name.replace(".base_layer.", ".").replace(".modules_to_save.default.", ".")] = tensor
-        for module_name, module in base.named_modules():
-            if isinstance(module, LoraLayer) and not module.merged:
-                key = f"{module_name}.weight"
-                delta = sum(module.get_delta_weight(adapter) for adapter in module.active_adapters)
-                tensors[key] = tensors[key] + delta.to(tensors[key].dtype)
-        return tensors
+            with FullyShardedDataParallel.summon_full_params(self.model_wrapped, writeback=False):
+                yield _hf_named_tensors(self.accelerator.unwrap_model(self.model))
+        elif self._dist.fsdp_version == 2:
+            yield _hf_named_tensors(model, gather_dtensors=True)
+        else:
+            yield _hf_named_tensors(model)
 
     def _prepare_inputs(self, generation_batch):
         if not (self.args.async_generation and self.model.training):
@@ -244,37 +261,72 @@ class A3POTrainer(GRPOTrainer):
             raise RuntimeError(f"generation batch {index} would be trained by policy version {version}; the trainer's "
                                "micro-step and optimizer-step counters disagree (a resume that changed the batch "
                                "layout?)")
-        if self._queue is None:
+        if self._bound is None:
             self._start_queue(index)
         # The start of training step `index`: every optimizer step of the previous one has run (under DeepSpeed too,
         # whose step happens inside backward()), so the live weights are exactly version `index`. Publish them here,
-        # on the main thread, then hand the producer every batch the staleness bound now allows.
-        self._queue.publish(version, self._policy_tensors)
-        while self._submitted <= self._bound.last_submittable(version):
-            planned_index, rows = next(self._prompt_plan)
-            planned_ids, _, _ = self._tokenize_prompts([row["prompt"] for row in rows])
-            self._queue.submit(planned_index, planned_ids, self._bound.min_version(planned_index))
-            self._submitted = planned_index + 1
-
+        # on the main thread of every process (gathering sharded parameters is a collective), then hand the producer
+        # every batch the staleness bound now allows.
+        with self._full_policy_tensors() as tensors:
+            if self._queue is not None:
+                self._queue.publish(version, tensors)
         start = time.perf_counter()
-        result = self._queue.get(index)
+        share = None
+        if self._queue is not None:
+            try:
+                share = self._produce(index, version)
+            except BaseException as error:
+                if self._serves_other_processes:
+                    # Tell the other processes before raising, or they would wait for their share forever.
+                    broadcast_object_list([ProducerError(f"the main process's generation failed: {error!r}")])
+                raise
+        if self._serves_other_processes:
+            shares = broadcast_object_list([share])[0]  # every process takes its own part
+            if isinstance(shares, BaseException):
+                raise shares
+            share = shares[self.accelerator.process_index]
         waited = time.perf_counter() - start
-        if result.prompt_ids != list(prompt_ids):
+        share_prompts, completion_ids, logprobs, versions, stats = share
+        if share_prompts != list(prompt_ids):
             raise RuntimeError(
                 f"Generation batch {index}: the producer's prompts differ from the trainer's. The prompt order "
                 "diverged from the training dataloader's (a custom sampler or data collator?); set "
                 "async_generation=False."
             )
-        batch = result.batch
-        self._taken_versions = batch.versions
+        self._taken_versions = versions
         metrics = self._metrics["train"]
-        num_tokens = sum(len(ids) for ids in batch.completion_ids)
         metrics["a3po/queue/trainer_wait_s"].append(waited)
-        metrics["a3po/queue/producer_idle_s"].append(result.idle_s)
-        metrics["a3po/queue/depth"].append(self._queue.depth)
-        metrics["a3po/gen/tokens_per_s"].append(num_tokens / max(batch.generation_s, 1e-9))
-        metrics["a3po/gen/weight_sync_s"].append(batch.weight_sync_s)
-        return batch.completion_ids, batch.logprobs
+        for key, value in stats.items():
+            metrics[key].append(value)
+        return completion_ids, logprobs
+
+    def _produce(self, index: int, version: int):
+        """On a producer process: submit what the bound allows, take batch `index`, and cut it into one share per
+        served process, each (prompt ids, completion ids, log-probs, versions, queue stats); the list of them when
+        serving every process, else this process's share."""
+        # Nothing past the last batch the run will train: generating it would only cost the generator time.
+        last_batch = -(-self.state.max_steps // self._optimizer_steps_per_version) - 1
+        while self._submitted <= min(self._bound.last_submittable(version), last_batch):
+            planned = [next(plan) for plan in self._prompt_plans]  # (index, rows) per served process
+            planned_index = planned[0][0]
+            prompt_ids = [ids for _, rows in planned for ids in self._tokenize_prompts([r["prompt"] for r in rows])[0]]
+            self._queue.submit(planned_index, prompt_ids, self._bound.min_version(planned_index))
+            self._submitted = planned_index + 1
+        result = self._queue.get(index)
+        batch = result.batch
+        stats = {
+            "a3po/queue/producer_idle_s": result.idle_s,
+            "a3po/queue/depth": self._queue.depth,
+            "a3po/gen/tokens_per_s": sum(map(len, batch.completion_ids)) / max(batch.generation_s, 1e-9),
+            "a3po/gen/weight_sync_s": batch.weight_sync_s,
+        }
+        size = len(result.prompt_ids) // len(self._prompt_plans)  # every process's share has the same size
+        shares = [
+            (result.prompt_ids[i : i + size], batch.completion_ids[i : i + size], batch.logprobs[i : i + size],
+             batch.versions[i : i + size], stats)
+            for i in range(0, len(result.prompt_ids), size)
+        ]
+        return shares if self._serves_other_processes else shares[0]
 
     # ------------------------------------------------------------------ generation side
 
@@ -531,6 +583,31 @@ class A3POTrainer(GRPOTrainer):
             for d in all_staleness.unique().tolist():
                 bucket = per_sample[all_staleness == d].sum(0)
                 metrics[f"a3po/prox_error/{method}/abs/d{d}"].append((bucket[0] / bucket[2].clamp(min=1.0)).item())
+
+
+def _hf_named_tensors(model, gather_dtensors: bool = False) -> dict[str, torch.Tensor]:
+    """A model's weights under the names of its plain HF architecture: PEFT's wrappers stripped and LoRA deltas merged
+    into copies (W + scale * B @ A); FSDP2's DTensor shards gathered (`full_tensor`, a collective) when asked."""
+
+    def whole(tensor):
+        return tensor.full_tensor() if gather_dtensors and hasattr(tensor, "full_tensor") else tensor
+
+    if not is_peft_model(model):
+        return {name: whole(tensor) for name, tensor in model.state_dict().items()}
+    from peft.tuners.lora import LoraLayer
+
+    base = model.get_base_model()
+    tensors = {}
+    for name, tensor in base.state_dict().items():
+        if "lora_" in name or ".original_module." in name:
+            continue
+        tensors[name.replace(".base_layer.", ".").replace(".modules_to_save.default.", ".")] = whole(tensor)
+    for module_name, module in base.named_modules():
+        if isinstance(module, LoraLayer) and not module.merged:
+            key = f"{module_name}.weight"
+            delta = sum(module.get_delta_weight(adapter) for adapter in module.active_adapters)
+            tensors[key] = tensors[key] + delta.to(tensors[key].dtype)
+    return tensors
 
 
 def _take_rows(value, rows: torch.Tensor):

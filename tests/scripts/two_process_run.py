@@ -1,5 +1,13 @@
-"""Run by tests/test_accelerate.py under `accelerate launch --multi_gpu --num_processes 2` (CPU, gloo): a few steps
-on a tiny model, writing each rank's scored prompts and the logged staleness to OUT_DIR/<mode>-rank<r>.json."""
+"""Run by tests/test_accelerate.py under `accelerate launch --multi_gpu --num_processes 2` (CPU, gloo): 8 optimizer
+steps on a tiny model; each rank writes OUT_DIR/<mode>-rank<r>.json with the prompts it scored, the logged staleness,
+its samples' behaviour versions, and how many samples it checked against the weights of their recorded version.
+
+    two_process_run.py OUT_DIR sync|async                       in-process generation (async: a producer per rank)
+    two_process_run.py OUT_DIR vllm|vllm-nccl-standin PORT MODEL_DIR   one vLLM server for both ranks
+
+`vllm-nccl-standin` replaces TRL's VLLMClient (the NCCL weight transfer, which needs GPUs) with a recorder, to count
+who initialises a communicator and how many pushes reach it; generation still runs on the real server.
+"""
 
 import json
 import sys
@@ -7,8 +15,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests/ for conftest helpers
 
+import torch  # noqa: E402
 from conftest import digit_reward, make_model, make_tokenizer  # noqa: E402
 from datasets import Dataset  # noqa: E402
+from test_async import VersionRecorder, check_behaviour_logprobs_against_versions, record_trained_samples  # noqa: E402
 
 from trl_a3po import A3POConfig, A3POTrainer  # noqa: E402
 
@@ -21,19 +31,73 @@ def recorded_reward(prompts, completions, **kwargs):
     return digit_reward(completions)
 
 
+class RecordingClient:
+    """Stands in for trl.generation.vllm_client.VLLMClient: records the calls NCCLTransport makes."""
+
+    calls = {"init_communicator": 0, "pushes": 0, "tensors": 0, "reset_prefix_cache": 0, "close_communicator": 0}
+
+    def __init__(self, base_url, connection_timeout):
+        pass
+
+    def init_communicator(self, device):
+        self.calls["init_communicator"] += 1
+
+    def weight_update(self):
+        import contextlib
+
+        self.calls["pushes"] += 1
+        return contextlib.nullcontext()
+
+    def update_named_param(self, name, tensor):
+        self.calls["tensors"] += 1
+
+    def reset_prefix_cache(self):
+        self.calls["reset_prefix_cache"] += 1
+
+    def close_communicator(self):
+        self.calls["close_communicator"] += 1
+
+
 tokenizer = make_tokenizer()
-dataset = Dataset.from_dict({"prompt": [f"Question {i}: what is {i} plus {i + 1}?" for i in range(32)]})
+dataset = Dataset.from_dict({"prompt": [f"Question {i}: what is {i} plus {i + 1}?" for i in range(48)]})
+server = {}
+if mode.startswith("vllm"):
+    from transformers import AutoModelForCausalLM
+
+    port, model_dir = int(sys.argv[3]), sys.argv[4]
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    server = dict(rollout_backend="vllm_server", vllm_server_port=port,
+                  weight_sync_transport="nccl" if mode == "vllm-nccl-standin" else "disk",
+                  weight_sync_dir=str(out_dir / "weight_sync"))
+    if mode == "vllm-nccl-standin":
+        import trl.generation.vllm_client
+
+        trl.generation.vllm_client.VLLMClient = RecordingClient
+        torch.cuda.current_device = lambda: 0  # what NCCLTransport asks for; no GPU here
+else:
+    model = make_model(tokenizer)
 args = A3POConfig(
     output_dir=str(out_dir / mode), per_device_train_batch_size=2, num_generations=4, max_completion_length=6,
-    steps_per_generation=2, max_steps=6, logging_steps=1, report_to="none", use_cpu=True, save_strategy="no",
-    seed=0, bf16=False, learning_rate=1e-3, async_generation=(mode == "async"),
+    steps_per_generation=2, max_steps=8, logging_steps=1, report_to="none", use_cpu=True, save_strategy="no",
+    seed=0, bf16=False, learning_rate=1e-2, async_generation=(mode != "sync"), max_staleness=2, **server,
 )
-trainer = A3POTrainer(model=make_model(tokenizer), reward_funcs=recorded_reward, args=args, train_dataset=dataset,
+trainer = A3POTrainer(model=model, reward_funcs=recorded_reward, args=args, train_dataset=dataset,
                       processing_class=tokenizer)
+versions = VersionRecorder(trainer)
+trainer.add_callback(versions)
+samples = record_trained_samples(trainer)
 trainer.train()
 rank = trainer.accelerator.process_index
+checked = 0
+if mode != "vllm-nccl-standin":  # the stand-in pushes nothing: the server keeps its first weights
+    checked = check_behaviour_logprobs_against_versions(trainer, versions, samples,
+                                                        atol=1e-3 if mode == "vllm" else 1e-5)
 staleness = [h["a3po/staleness/max"] for h in trainer.state.log_history if "a3po/staleness/max" in h]
 (out_dir / f"{mode}-rank{rank}.json").write_text(
-    json.dumps({"prompts": seen, "staleness_max": staleness, "eta": args.max_staleness,
-                "world": trainer.accelerator.num_processes})
+    json.dumps({
+        "prompts": seen, "staleness_max": staleness, "eta": args.max_staleness,
+        "world": trainer.accelerator.num_processes, "checked": checked,
+        "behaviour_versions": sorted({int(v) for s in samples for v in s["behavior_version"]}),
+        "client_calls": RecordingClient.calls,
+    })
 )

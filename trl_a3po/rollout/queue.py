@@ -27,7 +27,6 @@ import queue
 import threading
 import time
 import warnings
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -119,10 +118,10 @@ class GenerationQueue:
 
     # -------------------------------------------------------------- trainer side (main thread)
 
-    def publish(self, version: int, tensors_fn: Callable[[], dict]) -> None:
-        """Hand the generator version `version`: `tensors_fn()` (the live weights, HF names) is staged into a private
-        copy here, on the calling thread, so the producer never touches the trainer's parameters."""
-        staged = self._backend.stage(tensors_fn())
+    def publish(self, version: int, tensors: dict) -> None:
+        """Hand the generator version `version`: `tensors` (the live weights, HF names) are staged into a private copy
+        here, on the calling thread, so the producer never touches the trainer's parameters."""
+        staged = self._backend.stage(tensors)
         with self._weights_lock:
             if self._published is not None and version <= self._published[0]:
                 raise ValueError(f"versions are published in increasing order: {version} after {self._published[0]}")
