@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import os
 import time
 
 import torch
@@ -37,6 +38,20 @@ from trl.trainer.utils import nanmax, nanmin, split_tensor_dict
 from .config import A3POConfig
 from .proximal import PROX_APPROXIMATIONS, aggregate_loss, approximate_prox_logp, decoupled_ppo_loss, staleness_alpha
 from .rollout import GenerationQueue, InProcessBackend, ProducerError, StalenessBound, generate_with_behavior_logprobs
+
+
+_PEFT_ON_SHARDS = (
+    "async_generation=True with a PEFT adapter on sharded parameters (FSDP or DeepSpeed ZeRO-3) is not supported (the "
+    "merged weights would have to be built from shards); set async_generation=False, or train the adapter with DDP / "
+    "ZeRO-2 (a LoRA model fits on one GPU)."
+)
+
+
+def _sharded_by_launcher(config) -> bool:
+    """Sharded parameters, as far as can be told before the Accelerator exists: `accelerate launch` exports its FSDP
+    and DeepSpeed settings as environment variables; TrainingArguments has its own `fsdp` field."""
+    fsdp = os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true" or bool(config.fsdp)
+    return fsdp or os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE") == "3"
 
 
 class _ResumeAlignmentCallback(TrainerCallback):
@@ -89,6 +104,11 @@ class A3POTrainer(GRPOTrainer):
     _tag_names = ["trl", "grpo", "a3po"]
 
     def __init__(self, *args, **kwargs):
+        config = kwargs.get("args", args[2] if len(args) > 2 else None)
+        model = kwargs.get("model", args[0] if args else None)
+        if isinstance(config, A3POConfig) and config.async_generation and _sharded_by_launcher(config):
+            if kwargs.get("peft_config") is not None or is_peft_model(model):
+                raise ValueError(_PEFT_ON_SHARDS)  # before any model work
         super().__init__(*args, **kwargs)
         if not isinstance(self.args, A3POConfig):
             raise TypeError(f"A3POTrainer needs an A3POConfig as `args`, got {type(self.args).__name__}.")
@@ -109,11 +129,7 @@ class A3POTrainer(GRPOTrainer):
                     "rollout_func need async_generation=False."
                 )
             if (self._dist.is_zero3 or self._dist.is_fsdp) and is_peft_model(self.accelerator.unwrap_model(self.model)):
-                raise ValueError(
-                    "async_generation=True with a PEFT adapter on sharded parameters (FSDP or DeepSpeed ZeRO-3) is not "
-                    "supported (the merged weights would have to be built from shards); set async_generation=False, "
-                    "or train the adapter with DDP / ZeRO-2 (a LoRA model fits on one GPU)."
-                )
+                raise ValueError(_PEFT_ON_SHARDS)
             if isinstance(self.train_dataset, torch.utils.data.IterableDataset):
                 raise ValueError(
                     "async_generation=True needs a map-style train_dataset (the producer follows the sampler's "

@@ -4,8 +4,9 @@ Completions come from the OpenAI-compatible `/v1/completions` endpoint with toke
 (`return_token_ids`) and their log-probs (`logprobs: 0`); start the server with
 `--logprobs-mode processed_logprobs` so those are the log-probs of the distribution actually sampled from.
 
-Weights are pushed by the producer thread between two batches, so no request of this process is ever mid-generation
-during a push and every sample has exactly one behaviour version.
+Weights are pushed by the producer thread between two batches, so no request is ever mid-generation during a push and
+every sample has exactly one behaviour version. With several training processes only the main process has a backend:
+it generates every process's share (see A3POTrainer), so the server's weights have one owner.
 """
 
 from __future__ import annotations

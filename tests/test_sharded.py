@@ -1,0 +1,112 @@
+"""Gathering sharded parameters for the generator, at unit level: FSDP2 over gloo in two CPU processes (Accelerate
+runs FSDP only on accelerators, so A3POTrainer itself cannot be launched with FSDP here), and the ZeRO-3 path through
+TRL's `gather_params` (DeepSpeed is not installed here)."""
+
+import contextlib
+import json
+import os
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from conftest import digit_reward, make_model, make_tokenizer
+from test_trainer import COMMON
+
+from trl_a3po import A3POConfig, A3POTrainer
+from trl_a3po.trainer import _hf_named_tensors
+
+
+def _fsdp2_gather(rank, world, port, out_dir):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.tensor import DTensor
+
+        model = make_model(make_tokenizer())  # seeded: the same weights on both processes
+        expected = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+        mesh = init_device_mesh("cpu", (world,))
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        local = {name: p.to_local().numel() for name, p in model.named_parameters() if isinstance(p, DTensor)}
+        gathered = _hf_named_tensors(model, gather_dtensors=True)  # a collective: both processes call it
+        report = {
+            "sharded": len(local),
+            "local_fraction": sum(local.values()) / sum(expected[n].numel() for n in local),
+            "names_equal": sorted(gathered) == sorted(expected),
+            "max_diff": max((gathered[n] - expected[n]).abs().max().item() for n in expected),
+            "plain_tensors": all(not isinstance(t, DTensor) for t in gathered.values()),
+        }
+        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+            json.dump(report, f)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_fsdp2_shards_are_gathered_into_the_full_weights(tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_fsdp2_gather, args=(2, port, str(tmp_path)), nprocs=2, join=True)
+    for rank in range(2):
+        report = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert report["sharded"] > 0 and report["local_fraction"] == pytest.approx(0.5, abs=0.05)
+        assert report["names_equal"] and report["plain_tensors"]
+        assert report["max_diff"] == 0.0  # every process holds the whole, exact weights
+
+
+def test_zero3_weights_are_read_inside_trls_gather(tmp_path, tokenizer, prompt_dataset):
+    # Under ZeRO-3 the parameters are empty outside DeepSpeed's GatheredParameters: the policy tensors must be read
+    # (and staged) inside TRL's `gather_params`, over every parameter.
+    args = A3POConfig(output_dir=str(tmp_path), **COMMON)
+    trainer = A3POTrainer(model=make_model(tokenizer), reward_funcs=digit_reward, args=args,
+                          train_dataset=prompt_dataset, processing_class=tokenizer)
+    full = {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
+    params = list(trainer.model.parameters())
+    for p in params:  # what ZeRO-3 leaves outside a gather
+        p.data = torch.empty(0)
+    entered = []
+
+    @contextlib.contextmanager
+    def gather_params(gathered):
+        entered.append(len(gathered))
+        for name, p in trainer.model.named_parameters():
+            p.data = full[name]
+        yield
+        for p in params:
+            p.data = torch.empty(0)
+
+    trainer._dist.zero_stage = 3
+    trainer._dist.gather_params = gather_params
+    with trainer._full_policy_tensors() as tensors:
+        staged = {name: t.clone() for name, t in tensors.items()}
+    assert entered == [len(params)]
+    for name, tensor in full.items():
+        assert torch.equal(staged[name], tensor), name
+
+
+def test_peft_on_sharded_parameters_is_refused_before_the_model_is_loaded(tmp_path, tokenizer, prompt_dataset,
+                                                                          monkeypatch):
+    from peft import LoraConfig
+
+    from trl import GRPOTrainer
+
+    def trl_init(*args, **kwargs):
+        raise AssertionError("GRPOTrainer.__init__ ran: the refusal came after model work")
+
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    monkeypatch.setattr(GRPOTrainer, "__init__", trl_init)
+    args = A3POConfig(output_dir=str(tmp_path), **COMMON)
+    with pytest.raises(ValueError, match=r"async_generation=True with a PEFT adapter on sharded parameters .* set "
+                                         r"async_generation=False"):
+        A3POTrainer(model=make_model(tokenizer), reward_funcs=digit_reward, args=args, train_dataset=prompt_dataset,
+                    processing_class=tokenizer, peft_config=LoraConfig(r=4, target_modules=["q_proj"]))
+    # synchronous generation with sharding and PEFT is TRL's business: not refused here
+    sync = A3POConfig(output_dir=str(tmp_path), async_generation=False, **COMMON)
+    with pytest.raises(AssertionError, match="GRPOTrainer.__init__ ran"):
+        A3POTrainer(model=make_model(tokenizer), reward_funcs=digit_reward, args=sync, train_dataset=prompt_dataset,
+                    processing_class=tokenizer, peft_config=LoraConfig(r=4, target_modules=["q_proj"]))
