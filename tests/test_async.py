@@ -309,3 +309,26 @@ def test_a_failure_during_training_ends_train_fast_with_no_thread_left(tmp_path,
     assert elapsed < 15, elapsed
     assert trainer.state.global_step == 1
     assert not [t for t in threading.enumerate() if t.name == "a3po-producer"]
+
+
+@pytest.mark.parametrize("case", ["tools", "iterable", "grpo_config"])
+def test_unsupported_inputs_are_refused_before_any_model_work(tmp_path, tokenizer, prompt_dataset, monkeypatch, case):
+    from trl import GRPOConfig, GRPOTrainer
+
+    def trl_init(*args, **kwargs):
+        raise AssertionError("GRPOTrainer.__init__ ran before the refusal")
+
+    monkeypatch.setattr(GRPOTrainer, "__init__", trl_init)
+    args = A3POConfig(output_dir=str(tmp_path), **COMMON)
+    kwargs = dict(model="never-loaded", reward_funcs=digit_reward, args=args, train_dataset=prompt_dataset)
+    if case == "tools":
+        kwargs["tools"] = [len]
+        error, pattern = ValueError, r"tools, environment_factory and rollout_func need async_generation=False"
+    elif case == "iterable":
+        kwargs["train_dataset"] = prompt_dataset.to_iterable_dataset()
+        error, pattern = ValueError, r"needs a map-style train_dataset .* or set async_generation=False"
+    else:
+        kwargs["args"] = GRPOConfig(output_dir=str(tmp_path), report_to="none", use_cpu=True)
+        error, pattern = TypeError, r"A3POTrainer needs an A3POConfig as `args`, got GRPOConfig"
+    with pytest.raises(error, match=pattern):
+        A3POTrainer(**kwargs)

@@ -144,12 +144,14 @@ def weight_pushes_logged(server):
     return server["log"].read_text().count('"POST /collective_rpc HTTP/1.1" 200')
 
 
-def test_two_processes_share_one_server_with_one_push_per_version(tmp_path, vllm_server):
+@pytest.mark.parametrize("mode", ["vllm", "vllm-lora"])
+def test_two_processes_share_one_server_with_one_push_per_version(tmp_path, vllm_server, mode):
     # The production shape: several training processes, one vLLM server. The main process owns the server's weights
-    # and generates every rank's share; each rank trains exactly its synchronous share.
+    # and generates every rank's share; each rank trains exactly its synchronous share. With LoRA, the server gets
+    # the merged weights of each version.
     sync = launch(tmp_path, "sync")
     before = weight_pushes_logged(vllm_server)
-    ranks = launch(tmp_path, "vllm", vllm_server["port"], vllm_server["model_dir"])
+    ranks = launch(tmp_path, mode, vllm_server["port"], vllm_server["model_dir"])
     pushes = weight_pushes_logged(vllm_server) - before
     check_ranks_follow_the_synchronous_shards(sync, ranks)
     for rank in range(2):

@@ -21,10 +21,12 @@ for every optimizer step of that training step, so the proximal anchor never mov
 from __future__ import annotations
 
 import contextlib
+import inspect
 import itertools
 import os
 import time
 
+import datasets
 import torch
 from accelerate.data_loader import BatchSamplerShard
 from accelerate.utils import broadcast_object_list, is_peft_model
@@ -40,6 +42,8 @@ from .proximal import PROX_APPROXIMATIONS, aggregate_loss, approximate_prox_logp
 from .rollout import GenerationQueue, InProcessBackend, ProducerError, StalenessBound, generate_with_behavior_logprobs
 
 
+_GRPO_INIT = inspect.signature(GRPOTrainer.__init__)  # to name the arguments before GRPOTrainer sees them
+
 _PEFT_ON_SHARDS = (
     "async_generation=True with a PEFT adapter on sharded parameters (FSDP or DeepSpeed ZeRO-3) is not supported (the "
     "merged weights would have to be built from shards); set async_generation=False, or train the adapter with DDP / "
@@ -47,11 +51,27 @@ _PEFT_ON_SHARDS = (
 )
 
 
-def _sharded_by_launcher(config) -> bool:
-    """Sharded parameters, as far as can be told before the Accelerator exists: `accelerate launch` exports its FSDP
-    and DeepSpeed settings as environment variables; TrainingArguments has its own `fsdp` field."""
-    fsdp = os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true" or bool(config.fsdp)
-    return fsdp or os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE") == "3"
+def _refuse_unsupported_async(config: A3POConfig, given: dict) -> None:
+    """What asynchronous generation cannot do, named with the fields to change; `given` is GRPOTrainer's arguments."""
+    if given.get("tools") or given.get("rollout_func") is not None or given.get("environment_factory") is not None:
+        raise ValueError(
+            "async_generation=True supports single-turn text prompts; tools, environment_factory and rollout_func "
+            "need async_generation=False."
+        )
+    if isinstance(given.get("train_dataset"), (torch.utils.data.IterableDataset, datasets.IterableDataset)):
+        raise ValueError(
+            "async_generation=True needs a map-style train_dataset (the producer follows the sampler's order ahead of "
+            "the trainer); convert it, or set async_generation=False."
+        )
+    # Sharded parameters, as far as can be told before the Accelerator exists: `accelerate launch` exports its FSDP
+    # and DeepSpeed settings as environment variables; TrainingArguments has its own `fsdp` field.
+    sharded = (
+        os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
+        or bool(config.fsdp)
+        or os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE") == "3"
+    )
+    if sharded and (given.get("peft_config") is not None or is_peft_model(given.get("model"))):
+        raise ValueError(_PEFT_ON_SHARDS)
 
 
 class _ResumeAlignmentCallback(TrainerCallback):
@@ -104,14 +124,14 @@ class A3POTrainer(GRPOTrainer):
     _tag_names = ["trl", "grpo", "a3po"]
 
     def __init__(self, *args, **kwargs):
-        config = kwargs.get("args", args[2] if len(args) > 2 else None)
-        model = kwargs.get("model", args[0] if args else None)
-        if isinstance(config, A3POConfig) and config.async_generation and _sharded_by_launcher(config):
-            if kwargs.get("peft_config") is not None or is_peft_model(model):
-                raise ValueError(_PEFT_ON_SHARDS)  # before any model work
+        # Refuse what cannot work before any model work (loading, PEFT, Accelerate wrapping).
+        given = _GRPO_INIT.bind(self, *args, **kwargs).arguments
+        config = given.get("args")
+        if not isinstance(config, A3POConfig):
+            raise TypeError(f"A3POTrainer needs an A3POConfig as `args`, got {type(config).__name__}.")
+        if config.async_generation:
+            _refuse_unsupported_async(config, given)
         super().__init__(*args, **kwargs)
-        if not isinstance(self.args, A3POConfig):
-            raise TypeError(f"A3POTrainer needs an A3POConfig as `args`, got {type(self.args).__name__}.")
         self._prox_timer = _ProxTimer(self.accelerator.device)  # the paper's Figure 1 metric
         self._train_start = time.perf_counter()
         # Set while TRL scores a generation batch whose "old log-prob" forward the decoupled loss does not need.
@@ -123,18 +143,9 @@ class A3POTrainer(GRPOTrainer):
         self._submitted = 0  # generation batches handed to the producer so far
         self._taken_versions: list[int] | None = None  # behaviour versions of the batch being scored
         if self.args.async_generation:
-            if self.tools or self.environment_factories is not None or self.rollout_func is not None:
-                raise ValueError(
-                    "async_generation=True supports single-turn text prompts; tools, environment_factory and "
-                    "rollout_func need async_generation=False."
-                )
+            # The authoritative check, now that Accelerate knows the distributed setup (the early one reads env vars).
             if (self._dist.is_zero3 or self._dist.is_fsdp) and is_peft_model(self.accelerator.unwrap_model(self.model)):
                 raise ValueError(_PEFT_ON_SHARDS)
-            if isinstance(self.train_dataset, torch.utils.data.IterableDataset):
-                raise ValueError(
-                    "async_generation=True needs a map-style train_dataset (the producer follows the sampler's "
-                    "order ahead of the trainer); convert it, or set async_generation=False."
-                )
             self.add_callback(_ResumeAlignmentCallback(self))
 
     # ------------------------------------------------------------------ policy versions

@@ -3,7 +3,7 @@ steps on a tiny model; each rank writes OUT_DIR/<mode>-rank<r>.json with the pro
 its samples' behaviour versions, and how many samples it checked against the weights of their recorded version.
 
     two_process_run.py OUT_DIR sync|async                       in-process generation (async: a producer per rank)
-    two_process_run.py OUT_DIR vllm|vllm-nccl-standin PORT MODEL_DIR   one vLLM server for both ranks
+    two_process_run.py OUT_DIR vllm|vllm-lora|vllm-nccl-standin PORT MODEL_DIR   one vLLM server for both ranks
 
 `vllm-nccl-standin` replaces TRL's VLLMClient (the NCCL weight transfer, which needs GPUs) with a recorder, to count
 who initialises a communicator and how many pushes reach it; generation still runs on the real server.
@@ -81,8 +81,13 @@ args = A3POConfig(
     steps_per_generation=2, max_steps=8, logging_steps=1, report_to="none", use_cpu=True, save_strategy="no",
     seed=0, bf16=False, learning_rate=1e-2, async_generation=(mode != "sync"), max_staleness=2, **server,
 )
+peft_config = None
+if mode == "vllm-lora":  # the server receives the merged weights (W + scale * B @ A) of each version
+    from peft import LoraConfig
+
+    peft_config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
 trainer = A3POTrainer(model=model, reward_funcs=recorded_reward, args=args, train_dataset=dataset,
-                      processing_class=tokenizer)
+                      processing_class=tokenizer, peft_config=peft_config)
 versions = VersionRecorder(trainer)
 trainer.add_callback(versions)
 samples = record_trained_samples(trainer)
@@ -91,7 +96,7 @@ rank = trainer.accelerator.process_index
 checked = 0
 if mode != "vllm-nccl-standin":  # the stand-in pushes nothing: the server keeps its first weights
     checked = check_behaviour_logprobs_against_versions(trainer, versions, samples,
-                                                        atol=1e-3 if mode == "vllm" else 1e-5)
+                                                        atol=1e-3 if mode.startswith("vllm") else 1e-5)
 staleness = [h["a3po/staleness/max"] for h in trainer.state.log_history if "a3po/staleness/max" in h]
 (out_dir / f"{mode}-rank{rank}.json").write_text(
     json.dumps({
