@@ -43,11 +43,29 @@ def test_every_field_has_help():
         (dict(top_entropy_quantile=0.5), r"A3POConfig.top_entropy_quantile"),
         (dict(entropy_coef=0.01), r"A3POConfig.entropy_coef"),
         (dict(off_policy_mask_threshold=0.5), r"A3POConfig.off_policy_mask_threshold"),
+        (dict(behav_imp_weight_mode="clip"), r"behav_imp_weight_mode='clip' is not supported"),
+        (dict(behav_imp_weight_level="batch"), r"behav_imp_weight_level='batch' is not supported"),
+        (dict(behav_imp_weight_min=1.0), r"behav_imp_weight_min=1.0 must be in \(0, 1\)"),
+        (dict(behav_imp_weight_min=0.0), r"behav_imp_weight_min=0.0 must be in \(0, 1\)"),
+        (dict(behav_imp_weight_mode="truncate", behav_imp_weight_cap=None), r"'truncate' clamps weights at "
+                                                                            r"behav_imp_weight_cap, which is None"),
+        (dict(use_decoupled_loss=False, behav_imp_weight_level="sequence", behav_imp_weight_min=0.5),
+         r"behav_imp_weight_min, behav_imp_weight_level shape the decoupled loss.*use_decoupled_loss=False"),
     ],
 )
 def test_bad_values_name_the_field(tmp_path, kwargs, pattern):
     with pytest.raises(ValueError, match=pattern):
         make(tmp_path, **kwargs)
+
+
+def test_behaviour_weight_options(tmp_path):
+    args = make(tmp_path)
+    assert (args.behav_imp_weight_mode, args.behav_imp_weight_min, args.behav_imp_weight_level) == ("mask", None,
+                                                                                                      "token")
+    args = make(tmp_path, behav_imp_weight_mode="truncate", behav_imp_weight_cap=2.0, behav_imp_weight_min=0.5,
+                behav_imp_weight_level="sequence")
+    assert (args.behav_imp_weight_mode, args.behav_imp_weight_cap, args.behav_imp_weight_min) == ("truncate", 2.0, 0.5)
+    assert make(tmp_path, behav_imp_weight_cap=None, behav_imp_weight_min=0.2).behav_imp_weight_min == 0.2
 
 
 def test_coupled_mode_accepts_trl_only_loss_types(tmp_path):

@@ -160,3 +160,126 @@ def test_aggregations_match_trl_formulas():
     assert torch.isclose(aggregate_loss(per_token, mask, "dapo", num_items=20.0), (per_token * m).sum() / 20)
     with pytest.raises(ValueError, match="unknown loss_type 'cispo'"):
         aggregate_loss(per_token, mask, "cispo")
+
+
+# ---------------------------------------------------------------- behaviour-weight modes and levels
+
+
+def frozen_mask_token_loss(logp, prox_logp, behav_logp, advantages, mask, epsilon_low, epsilon_high, cap, c):
+    """The decoupled loss as it was before the weight modes existed (mask at the cap, per token): the default must
+    stay bit for bit equal to it."""
+    advantages = advantages.unsqueeze(-1)
+    mask = mask.bool()
+    w = torch.exp(prox_logp - behav_logp)
+    if cap is not None:
+        w = torch.where((w > cap) & mask, torch.zeros_like(w), w)
+    w = torch.where(mask, w, torch.zeros_like(w))
+    ratio = torch.exp(logp - prox_logp)
+    pg = torch.max(-ratio * advantages, -torch.clamp(ratio, 1.0 - epsilon_low, 1.0 + epsilon_high) * advantages)
+    if c is not None:
+        pg = torch.where(advantages < 0, torch.min(pg, c * advantages.abs()), pg)
+    return pg * w
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_default_mode_is_the_old_loss_bit_for_bit(seed):
+    g = torch.Generator().manual_seed(seed)
+    behav, theta, staleness = _random_logps(g, (6, 8))
+    behav = behav.float()
+    theta = theta.float()
+    behav[0, :4] -= 2.0  # some weights above the cap
+    prox = approximate_prox_logp("loglinear", behav, theta, staleness)
+    adv = torch.randn(6, generator=g)
+    mask = torch.rand(6, 8, generator=g) > 0.2
+    for cap, c in ((5.0, None), (2.0, 3.0), (None, None)):
+        new, _ = decoupled_ppo_loss(theta, prox, behav, adv, mask, 0.2, 0.28, cap, c)
+        explicit, _ = decoupled_ppo_loss(theta, prox, behav, adv, mask, 0.2, 0.28, cap, c, behav_imp_weight_mode="mask",
+                                         behav_imp_weight_min=None, behav_imp_weight_level="token")
+        old = frozen_mask_token_loss(theta, prox, behav, adv, mask, 0.2, 0.28, cap, c)
+        assert torch.equal(new, old) and torch.equal(explicit, old)
+
+
+def _weights_case():
+    """One sequence of 4 tokens and one of 2 (+ padding), A = +1, r = 1 everywhere (logp = prox): each token's loss
+    is -w, so the loss shows the behaviour weight directly."""
+    w = torch.tensor([[0.25, 1.0, 2.0, 8.0], [1.0, 0.5, 3.0, 3.0]])
+    mask = torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0]])
+    behav = torch.log(torch.full((2, 4), 0.1))
+    prox = behav + torch.log(w)
+    return prox.clone(), prox, behav, torch.tensor([1.0, 1.0]), mask
+
+
+@pytest.mark.parametrize(
+    "mode,level,low,expected_weights,capped,below,seq_capped,seq_below",
+    [
+        # cap 4, min 0.4. Token level: w = (0.25, 1, 2, 8 | 1, 0.5)
+        ("mask", "token", None, [[0.25, 1, 2, 0], [1, 0.5, 0, 0]], 1, 0, 1, 0),
+        ("mask", "token", 0.4, [[0, 1, 2, 0], [1, 0.5, 0, 0]], 1, 1, 1, 1),
+        ("truncate", "token", None, [[0.25, 1, 2, 4], [1, 0.5, 0, 0]], 1, 0, 1, 0),
+        ("truncate", "token", 0.4, [[0.4, 1, 2, 4], [1, 0.5, 0, 0]], 1, 1, 1, 1),
+        # sequence level: geometric means (0.25 * 1 * 2 * 8)^(1/4) = 4^(1/4) = sqrt(2), (1 * 0.5)^(1/2) = sqrt(0.5)
+        ("mask", "sequence", None, [[2**0.5] * 4, [0.5**0.5] * 2 + [0, 0]], 0, 0, 0, 0),
+        ("mask", "sequence", 0.75, [[2**0.5] * 4, [0, 0, 0, 0]], 0, 2, 0, 1),
+        ("truncate", "sequence", 0.75, [[2**0.5] * 4, [0.75, 0.75, 0, 0]], 0, 2, 0, 1),
+    ],
+)
+def test_behaviour_weight_modes_exact(mode, level, low, expected_weights, capped, below, seq_capped, seq_below):
+    logp, prox, behav, adv, mask = _weights_case()
+    logp = logp.requires_grad_(True)
+    loss, stats = decoupled_ppo_loss(logp, prox, behav, adv, mask, 0.2, 0.2, behav_imp_weight_cap=4.0,
+                                     behav_imp_weight_mode=mode, behav_imp_weight_min=low,
+                                     behav_imp_weight_level=level)
+    expected = torch.tensor(expected_weights)
+    assert torch.allclose(loss, -expected, atol=1e-6)
+    loss.sum().backward()
+    # r = 1 sits inside the clip range: d(-w * r * A)/d logp = -w * r * A = -w, per token; masked tokens get none
+    assert torch.allclose(logp.grad, -expected, atol=1e-6)
+    assert stats["capped_sum"].item() == capped and stats["below_min_sum"].item() == below
+    assert stats["seq_capped_sum"].item() == seq_capped and stats["seq_below_min_sum"].item() == seq_below
+    assert stats["num_tokens"].item() == 6 and stats["num_seqs"].item() == 2
+
+
+def test_sequence_cap_masks_the_whole_sequence():
+    logp, prox, behav, adv, mask = _weights_case()
+    loss, stats = decoupled_ppo_loss(logp, prox, behav, adv, mask, 0.2, 0.2, behav_imp_weight_cap=1.2,
+                                     behav_imp_weight_level="sequence")
+    # sqrt(2) > 1.2: every token of sequence 0 is dropped, and stays in the denominator
+    assert loss[0].tolist() == [0.0] * 4 and stats["seq_capped_sum"].item() == 1 and stats["capped_sum"].item() == 4
+    assert aggregate_loss(loss, mask, "bnpo").item() == pytest.approx(-2 * 0.5**0.5 / 6, rel=1e-6)
+
+
+@pytest.mark.parametrize("seed", range(10))
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_weight_mode_properties(seed, level):
+    g = torch.Generator().manual_seed(seed)
+    behav, theta, staleness = _random_logps(g, (6, 8))
+    behav = behav.clone()
+    behav[:2] -= 1.5  # weights far above the cap
+    prox = approximate_prox_logp("loglinear", behav, theta, staleness)
+    adv = torch.randn(6, generator=g, dtype=torch.float64)
+    mask = torch.rand(6, 8, generator=g) > 0.2
+    raw = torch.exp(prox - behav)
+    for mode in ("mask", "truncate"):
+        logp = theta.clone().requires_grad_(True)
+        loss, stats = decoupled_ppo_loss(logp, prox, behav, adv, mask, 0.2, 0.28, 2.0, None, mode, 0.5, level)
+        ratio = torch.exp(theta - prox)
+        pg = torch.max(-ratio * adv[:, None], -ratio.clamp(0.8, 1.28) * adv[:, None])
+        weight = torch.where(mask & (pg != 0), loss / pg, torch.zeros_like(loss))  # the weight the loss applied
+        assert (weight <= 2.0 + 1e-9).all(), "a weight above the cap"
+        if mode == "truncate":
+            assert (weight[mask & (pg != 0)] >= 0.5 - 1e-9).all(), "a truncated weight below the lower bound"
+        loss.sum().backward()
+        if level == "token":
+            dropped = mask & ((raw > 2.0) | (raw < 0.5))
+            if mode == "mask":
+                assert (logp.grad[dropped] == 0).all()  # masked tokens contribute no gradient
+                assert stats["capped_sum"].item() + stats["below_min_sum"].item() == dropped.sum().item()
+        assert (logp.grad[~mask] == 0).all()
+
+
+def test_unknown_mode_and_level_are_named():
+    args = torch.zeros(1, 1), torch.zeros(1, 1), torch.zeros(1, 1), torch.ones(1), torch.ones(1, 1), 0.2, 0.2
+    with pytest.raises(ValueError, match="behav_imp_weight_mode='clip'"):
+        decoupled_ppo_loss(*args, behav_imp_weight_mode="clip")
+    with pytest.raises(ValueError, match="behav_imp_weight_level='batch'"):
+        decoupled_ppo_loss(*args, behav_imp_weight_level="batch")

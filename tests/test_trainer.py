@@ -305,3 +305,56 @@ def test_num_iterations_reuse_is_one_version(tmp_path, tokenizer, prompt_dataset
     # ratio moves away from 1 in the later optimizer steps of the step
     assert logged(trainer, "a3po/behav_imp_weight/max") == [1.0] * 8
     assert max(logged(trainer, "a3po/ratio/max")[1:4]) > 1.0 + 1e-4
+
+
+def test_default_behaviour_weight_trains_bit_for_bit_as_before(tmp_path, tokenizer, prompt_dataset, monkeypatch):
+    # The same work twice: with the loss as it is, and with the per-token loss replaced by the formula from before the
+    # behaviour-weight modes existed (test_proximal.frozen_mask_token_loss). With the default options, identical.
+    import trl_a3po.trainer as trainer_module
+    from test_proximal import frozen_mask_token_loss
+
+    real = trainer_module.decoupled_ppo_loss
+
+    def frozen(logp, prox, behav, adv, mask, epsilon_low, epsilon_high, behav_imp_weight_cap, dual_clip_c, **options):
+        _, stats = real(logp, prox, behav, adv, mask, epsilon_low, epsilon_high, behav_imp_weight_cap, dual_clip_c,
+                        **options)
+        return frozen_mask_token_loss(logp, prox, behav, adv, mask, epsilon_low, epsilon_high, behav_imp_weight_cap,
+                                      dual_clip_c), stats
+
+    def run(tag):
+        # a stale micro-batch (d = 4) whose weights cross the default cap of 5, then a short synchronous run
+        trainer = make_trainer(tmp_path / tag, tokenizer, prompt_dataset, steps_per_generation=2, max_steps=4,
+                               async_generation=False, learning_rate=1e-2)
+        batch = handmade_batch(trainer, behav_noise=3.0)
+        trainer.state.global_step = 4
+        loss, grads = loss_and_grads(trainer, batch)
+        capped = trainer._metrics["train"]["a3po/capped_frac"][-1]
+        trainer.state.global_step = 0
+        trainer.train()
+        return loss, grads, [p.detach().clone() for p in trainer.model.parameters()], capped
+
+    loss_now, grads_now, weights_now, capped = run("current")
+    monkeypatch.setattr(trainer_module, "decoupled_ppo_loss", frozen)
+    loss_before, grads_before, weights_before, _ = run("before")
+    assert capped > 0  # the cap did bite on the stale batch
+    assert torch.equal(loss_now, loss_before) and torch.equal(grads_now, grads_before)
+    assert all(torch.equal(a, b) for a, b in zip(weights_now, weights_before))
+
+
+@pytest.mark.parametrize("mode,level", [("truncate", "token"), ("mask", "sequence"), ("truncate", "sequence")])
+def test_behaviour_weight_options_train(tmp_path, tokenizer, prompt_dataset, mode, level):
+    trainer = make_trainer(tmp_path, tokenizer, prompt_dataset, steps_per_generation=2, max_steps=8, max_staleness=2,
+                           learning_rate=1e-2, behav_imp_weight_mode=mode, behav_imp_weight_level=level,
+                           behav_imp_weight_cap=1.05, behav_imp_weight_min=0.95)
+    trainer.train()
+    staleness = logged(trainer, "a3po/staleness/max")
+    for key in ("a3po/capped_frac", "a3po/below_min_frac", "a3po/seq_capped_frac", "a3po/seq_below_min_frac"):
+        shares = logged(trainer, key)
+        assert len(shares) == 8
+        # at staleness <= 1 the weight is exactly 1 (prox = behav): nothing is outside [0.95, 1.05]
+        assert all(share == 0.0 for share, d in zip(shares, staleness) if d <= 1), key
+    bound = [s for key in ("a3po/capped_frac", "a3po/below_min_frac") for s in logged(trainer, key)]
+    assert 2 in staleness and max(bound) > 0  # at staleness 2 the tight bounds bite
+    if mode == "truncate":  # truncated weights stay inside the bounds
+        assert max(logged(trainer, "a3po/behav_imp_weight/max")) <= 1.05 + 1e-6
+        assert min(logged(trainer, "a3po/behav_imp_weight/min")) >= 0.95 - 1e-6

@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 
 from trl import GRPOConfig
 
+from .proximal import BEHAV_WEIGHT_LEVELS, BEHAV_WEIGHT_MODES
+
 PROX_LOGP_METHODS = ("loglinear", "recompute", "metrics")
 ROLLOUT_BACKENDS = ("inprocess", "vllm_server")
 WEIGHT_SYNC_TRANSPORTS = ("auto", "nccl", "disk")
@@ -48,8 +50,35 @@ class A3POConfig(GRPOConfig):
     behav_imp_weight_cap: float | None = field(
         default=5.0,
         metadata={
-            "help": "Tokens whose behaviour importance weight pi_prox/pi_behav exceeds this cap get weight 0 "
-            "(they still count in the loss denominator). None disables the cap. Must be > 1."
+            "help": "Upper bound on the behaviour importance weight pi_prox/pi_behav: above it a token's weight becomes "
+            "0 (behav_imp_weight_mode `mask`, the paper's; the token still counts in the loss denominator) or is "
+            "clamped to the cap (`truncate`). None disables the cap. Must be > 1."
+        },
+    )
+    behav_imp_weight_mode: str = field(
+        default="mask",
+        metadata={
+            "help": "What happens to a behaviour weight outside [behav_imp_weight_min, behav_imp_weight_cap]. `mask` "
+            "(the paper's): the weight becomes 0 (the token still counts in the loss denominator). `truncate` "
+            "(truncated importance sampling): the weight is clamped into the bounds; needs behav_imp_weight_cap.",
+            "choices": list(BEHAV_WEIGHT_MODES),
+        },
+    )
+    behav_imp_weight_min: float | None = field(
+        default=None,
+        metadata={
+            "help": "Optional lower bound on the behaviour weight, in (0, 1): with `mask`, tokens (or sequences) below "
+            "it are dropped too, a two-sided mask as in IcePop; with `truncate`, weights are raised to it. None = no "
+            "lower bound."
+        },
+    )
+    behav_imp_weight_level: str = field(
+        default="token",
+        metadata={
+            "help": "`token`: each token's weight is bounded. `sequence`: every token of a sequence gets the "
+            "sequence's weight, the geometric mean of its token weights, and whole sequences are masked or truncated "
+            "(as DeepSeek-V3.2's off-policy sequence masking and TRL's sequence-level importance sampling do).",
+            "choices": list(BEHAV_WEIGHT_LEVELS),
         },
     )
     dual_clip_c: float | None = field(
@@ -138,6 +167,7 @@ class A3POConfig(GRPOConfig):
                 f"behav_imp_weight_cap={self.behav_imp_weight_cap} would zero on-policy tokens (their weight is 1); "
                 "set it to a value > 1 (the paper uses 5.0) or None to disable the cap."
             )
+        self._validate_behaviour_weight()
         if self.dual_clip_c is not None and not self.dual_clip_c > 1.0:
             raise ValueError(f"dual_clip_c={self.dual_clip_c} must be > 1 (typically 3.0), or None to disable it.")
         self._validate_generation()
@@ -194,6 +224,36 @@ class A3POConfig(GRPOConfig):
         for name, (bad, fix) in unsupported.items():
             if bad:
                 raise ValueError(f"A3POConfig.{name}: {fix}.")
+
+    def _validate_behaviour_weight(self):
+        if self.behav_imp_weight_mode not in BEHAV_WEIGHT_MODES:
+            raise ValueError(f"behav_imp_weight_mode={self.behav_imp_weight_mode!r} is not supported; use one of "
+                             f"{BEHAV_WEIGHT_MODES}.")
+        if self.behav_imp_weight_level not in BEHAV_WEIGHT_LEVELS:
+            raise ValueError(f"behav_imp_weight_level={self.behav_imp_weight_level!r} is not supported; use one of "
+                             f"{BEHAV_WEIGHT_LEVELS}.")
+        if self.behav_imp_weight_min is not None and not 0.0 < self.behav_imp_weight_min < 1.0:
+            raise ValueError(
+                f"behav_imp_weight_min={self.behav_imp_weight_min} must be in (0, 1): on-policy tokens have weight 1 "
+                "and must stay inside the bounds. Set e.g. 0.5, or None for no lower bound."
+            )
+        if self.behav_imp_weight_mode == "truncate" and self.behav_imp_weight_cap is None:
+            raise ValueError(
+                "behav_imp_weight_mode='truncate' clamps weights at behav_imp_weight_cap, which is None; set "
+                "behav_imp_weight_cap (e.g. 2.0, as truncated importance sampling does) or use mode 'mask'."
+            )
+        custom = {
+            "behav_imp_weight_mode": self.behav_imp_weight_mode != "mask",
+            "behav_imp_weight_min": self.behav_imp_weight_min is not None,
+            "behav_imp_weight_level": self.behav_imp_weight_level != "token",
+        }
+        if not self.use_decoupled_loss and any(custom.values()):
+            names = ", ".join(name for name, set_ in custom.items() if set_)
+            raise ValueError(
+                f"{names} shape the decoupled loss's behaviour weight, but use_decoupled_loss=False; set "
+                "use_decoupled_loss=True, or leave them at their defaults (GRPO's own options: "
+                "vllm_importance_sampling_mode)."
+            )
 
     def _validate_generation(self):
         if self.async_generation is None:

@@ -17,6 +17,8 @@ from __future__ import annotations
 import torch
 
 PROX_APPROXIMATIONS = ("loglinear", "linear", "rollout")
+BEHAV_WEIGHT_MODES = ("mask", "truncate")
+BEHAV_WEIGHT_LEVELS = ("token", "sequence")
 AGGREGATIONS = ("grpo", "bnpo", "dr_grpo", "dapo")
 
 
@@ -66,30 +68,56 @@ def decoupled_ppo_loss(
     epsilon_high: float,
     behav_imp_weight_cap: float | None = None,
     dual_clip_c: float | None = None,
+    behav_imp_weight_mode: str = "mask",
+    behav_imp_weight_min: float | None = None,
+    behav_imp_weight_level: str = "token",
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Per-token decoupled PPO loss and its statistics.
 
     Returns ``(per_token_loss, stats)``: the loss is (B, T) and not yet aggregated (aggregation is the caller's
     choice of ``loss_type``, see :func:`aggregate_loss`); padding positions are zero. ``advantages`` is (B,) or
-    (B, T). Tokens whose behaviour weight exceeds the cap get weight 0 but stay in the mask, so they still count in
-    the denominator of the aggregation. ``dual_clip_c`` bounds the loss of negative-advantage tokens at
-    ``c * |A|`` (before the behaviour weight), as in dual-clip PPO.
+    (B, T). ``dual_clip_c`` bounds the loss of negative-advantage tokens at ``c * |A|`` (before the behaviour
+    weight), as in dual-clip PPO.
 
-    ``stats`` holds 0-dim tensors of masked sums and extremes (``*_sum``, ``*_min``, ``*_max``, ``num_tokens``), so
-    callers can reduce them across micro-batches and processes exactly.
+    The behaviour weight ``w = pi_prox / pi_behav`` outside ``[behav_imp_weight_min, behav_imp_weight_cap]`` (either
+    bound None = unbounded on that side):
+    - ``mode="mask"`` (the paper's cap; with a lower bound, a two-sided mask as in IcePop): the weight becomes 0;
+    - ``mode="truncate"`` (truncated importance sampling): the weight is clamped into the bounds.
+    ``level="token"`` bounds each token's weight; ``level="sequence"`` gives every token of a sequence the
+    sequence's weight, the geometric mean of its token weights ``exp(mean_t(log w_t))``, and bounds that (masking or
+    truncating whole sequences). Masked tokens stay in the mask, so they still count in the denominator of the
+    aggregation. The weight carries no gradient in any mode.
+
+    ``stats`` holds 0-dim tensors of masked sums and extremes (``*_sum``, ``*_min``, ``*_max``, ``num_tokens``,
+    ``num_seqs``), so callers can reduce them across micro-batches and processes exactly.
     """
+    if behav_imp_weight_mode not in BEHAV_WEIGHT_MODES:
+        raise ValueError(f"behav_imp_weight_mode={behav_imp_weight_mode!r}; expected one of {BEHAV_WEIGHT_MODES}")
+    if behav_imp_weight_level not in BEHAV_WEIGHT_LEVELS:
+        raise ValueError(f"behav_imp_weight_level={behav_imp_weight_level!r}; expected one of {BEHAV_WEIGHT_LEVELS}")
     if advantages.dim() == 1:
         advantages = advantages.unsqueeze(-1)
     mask = mask.bool()
     prox_logp = prox_logp.detach()
     behav_logp = behav_logp.detach()
 
-    behav_imp_weight = torch.exp(prox_logp - behav_logp)
-    if behav_imp_weight_cap is not None:
-        capped = (behav_imp_weight > behav_imp_weight_cap) & mask
-        behav_imp_weight = torch.where(capped, torch.zeros_like(behav_imp_weight), behav_imp_weight)
+    if behav_imp_weight_level == "token":
+        behav_imp_weight = torch.exp(prox_logp - behav_logp)
+    else:  # the geometric mean of the sequence's token weights, for each of its tokens
+        log_weight = torch.where(mask, prox_logp - behav_logp, torch.zeros_like(prox_logp))
+        sequence_weight = torch.exp(log_weight.sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1))
+        behav_imp_weight = sequence_weight.expand_as(prox_logp)
+    above = (behav_imp_weight > behav_imp_weight_cap) & mask if behav_imp_weight_cap is not None else None
+    below = (behav_imp_weight < behav_imp_weight_min) & mask if behav_imp_weight_min is not None else None
+    capped = above if above is not None else torch.zeros_like(mask)  # above the cap (masked or truncated)
+    below_min = below if below is not None else torch.zeros_like(mask)
+    if behav_imp_weight_mode == "mask":
+        dropped = capped | below_min
+        behav_imp_weight = torch.where(dropped, torch.zeros_like(behav_imp_weight), behav_imp_weight)
     else:
-        capped = torch.zeros_like(mask)
+        dropped = torch.zeros_like(mask)
+        if behav_imp_weight_min is not None or behav_imp_weight_cap is not None:
+            behav_imp_weight = behav_imp_weight.clamp(min=behav_imp_weight_min, max=behav_imp_weight_cap)
     behav_imp_weight = torch.where(mask, behav_imp_weight, torch.zeros_like(behav_imp_weight))
 
     ratio = torch.exp(logp - prox_logp)
@@ -107,7 +135,7 @@ def decoupled_ppo_loss(
         ratio_d = ratio.detach()
         low_clipped = (ratio_d < 1.0 - epsilon_low) & (advantages < 0) & mask
         high_clipped = (ratio_d > 1.0 + epsilon_high) & (advantages > 0) & mask
-        weight_in_mask = behav_imp_weight.masked_select(mask & ~capped)
+        weight_in_mask = behav_imp_weight.masked_select(mask & ~dropped)
         ratio_in_mask = ratio_d.masked_select(mask)
         num_tokens = mask.sum()
 
@@ -121,6 +149,10 @@ def decoupled_ppo_loss(
             "behav_imp_weight_min": _extreme(weight_in_mask, torch.min),
             "behav_imp_weight_max": _extreme(weight_in_mask, torch.max),
             "capped_sum": capped.sum().to(torch.float32),
+            "below_min_sum": below_min.sum().to(torch.float32),
+            "num_seqs": mask.any(-1).sum().to(torch.float32),
+            "seq_capped_sum": capped.any(-1).sum().to(torch.float32),
+            "seq_below_min_sum": below_min.any(-1).sum().to(torch.float32),
             "clip_low_sum": low_clipped.sum().to(torch.float32),
             "clip_high_sum": high_clipped.sum().to(torch.float32),
             "dual_clip_sum": dual_clipped.sum().to(torch.float32),

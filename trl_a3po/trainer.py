@@ -499,6 +499,9 @@ class A3POTrainer(GRPOTrainer):
             epsilon_high=self.epsilon_high,
             behav_imp_weight_cap=self.args.behav_imp_weight_cap,
             dual_clip_c=self.args.dual_clip_c,
+            behav_imp_weight_mode=self.args.behav_imp_weight_mode,
+            behav_imp_weight_min=self.args.behav_imp_weight_min,
+            behav_imp_weight_level=self.args.behav_imp_weight_level,
         )
         if self.beta != 0.0:
             ref_logp = inputs["ref_per_token_logps"]
@@ -547,12 +550,16 @@ class A3POTrainer(GRPOTrainer):
                     stats["clip_low_sum"],
                     stats["clip_high_sum"],
                     stats["dual_clip_sum"],
+                    stats["below_min_sum"],
+                    stats["num_seqs"],
+                    stats["seq_capped_sum"],
+                    stats["seq_below_min_sum"],
                 ]
             ),
             reduction="sum",
         ).tolist()
-        tokens, weight_sum, weight_count, capped, clip_low, clip_high, dual = sums
-        tokens = max(tokens, 1.0)
+        tokens, weight_sum, weight_count, capped, clip_low, clip_high, dual, below, seqs, seq_capped, seq_below = sums
+        tokens, seqs = max(tokens, 1.0), max(seqs, 1.0)
         extremes = self.accelerator.gather(
             torch.stack([stats["behav_imp_weight_min"], stats["ratio_min"]]).unsqueeze(0)
         )
@@ -572,7 +579,12 @@ class A3POTrainer(GRPOTrainer):
         metrics["a3po/behav_imp_weight/mean"].append(weight_sum / max(weight_count, 1.0))
         metrics["a3po/behav_imp_weight/min"].append(nanmin(extremes[:, 0]).item())
         metrics["a3po/behav_imp_weight/max"].append(nanmax(maxima[:, 0]).item())
+        # Shares of tokens and of sequences whose behaviour weight was outside the bounds (masked or truncated, as
+        # behav_imp_weight_mode says; at sequence level a sequence's tokens share its fate).
         metrics["a3po/capped_frac"].append(capped / tokens)
+        metrics["a3po/below_min_frac"].append(below / tokens)
+        metrics["a3po/seq_capped_frac"].append(seq_capped / seqs)
+        metrics["a3po/seq_below_min_frac"].append(seq_below / seqs)
         metrics["a3po/ratio/min"].append(nanmin(extremes[:, 1]).item())
         metrics["a3po/ratio/max"].append(nanmax(maxima[:, 1]).item())
         metrics["a3po/dual_clip_frac"].append(dual / tokens)
