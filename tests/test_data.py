@@ -51,5 +51,20 @@ def test_malformed_row_is_named_by_its_line_even_past_the_limit(tmp_path):
     good = {"question": "q?", "answer": "#### 1"}
     lines = [good, good, {"question": "q?", "answer": "no reference"}]
     (tmp_path / "test.jsonl").write_text("\n".join(json.dumps(r) for r in lines) + "\n")
-    with pytest.raises(ValueError, match="GSM8K row 2 of .* is malformed"):
+    with pytest.raises(ValueError, match=r"test.jsonl, line 3: malformed row: it needs a non-empty 'question'"):
         load_gsm8k(str(tmp_path), "test", limit=1)
+
+
+def test_a_line_that_is_not_json_is_named_by_file_and_line(tmp_path):
+    good = json.dumps({"question": "q?", "answer": "#### 1"})
+    # a blank line, then a line truncated mid-record (line 4 of the file, the 3rd record)
+    (tmp_path / "train.jsonl").write_text(f"{good}\n\n{good}\n{good[:20]}\n{good}\n")
+    with pytest.raises(ValueError) as info:
+        load_gsm8k(str(tmp_path), "train")
+    message = str(info.value)
+    assert message.startswith(f"{tmp_path / 'train.jsonl'}, line 4: not valid JSON")
+    assert info.value.__cause__ is None and "pyarrow" not in message  # one clear error, no parser traceback
+    # rows after a blank line are named by their real line too
+    (tmp_path / "train.jsonl").write_text(f"{good}\n\n" + json.dumps({"question": "", "answer": "#### 1"}) + "\n")
+    with pytest.raises(ValueError, match=r"train.jsonl, line 3: malformed row"):
+        load_gsm8k(str(tmp_path), "train")

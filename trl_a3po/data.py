@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 
 from datasets import Dataset, load_dataset
@@ -31,6 +32,25 @@ def solution_steps(answer: str) -> int:
     return answer.count("<<")
 
 
+def _jsonl_lines(path: str) -> list[int]:
+    """The 1-based numbers of a jsonl file's non-blank lines (one record each); a line that is not a JSON object
+    raises an error naming the file and the line. (datasets reports it as a pyarrow parse error with no line.)"""
+    numbers = []
+    with open(path, encoding="utf-8") as f:
+        for number, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as error:
+                raise ValueError(f"{path}, line {number}: not valid JSON ({error.msg}, column {error.colno}): "
+                                 f"{line.strip()[:120]!r}") from None
+            if not isinstance(record, dict):
+                raise ValueError(f"{path}, line {number}: expected a JSON object, got {type(record).__name__}")
+            numbers.append(number)
+    return numbers
+
+
 def load_gsm8k(
     name_or_path: str = "openai/gsm8k",
     split: str = "train",
@@ -46,24 +66,25 @@ def load_gsm8k(
     The filter runs before `limit`, so `limit=200` means the first 200 problems of the subset.
     `one_shot`: prompts start with a short worked example (see `gsm8k_prompt`).
     """
-    if os.path.isdir(name_or_path):
-        path = os.path.join(name_or_path, f"{split}.jsonl")
-        if not os.path.exists(path):
-            raise FileNotFoundError(f"GSM8K folder {name_or_path!r} has no {split}.jsonl")
+    path = os.path.join(name_or_path, f"{split}.jsonl") if os.path.isdir(name_or_path) else name_or_path
+    if os.path.isdir(name_or_path) and not os.path.exists(path):
+        raise FileNotFoundError(f"GSM8K folder {name_or_path!r} has no {split}.jsonl")
+    if os.path.isfile(path):
+        lines = _jsonl_lines(path)  # a clear error for a line that is not JSON, before datasets' pyarrow one
         dataset = load_dataset("json", data_files=path, split="train")
-    elif os.path.isfile(name_or_path):
-        dataset = load_dataset("json", data_files=name_or_path, split="train")
+        where = [f"{path}, line {number}" for number in lines]
     else:
         dataset = load_dataset(name_or_path, "main", split=split)
+        where = [f"row {index} of {name_or_path!r} ({split})" for index in range(len(dataset))]
     for column in ("question", "answer"):
         if column not in dataset.column_names:
-            raise ValueError(f"GSM8K data at {name_or_path!r} has no {column!r} column (has {dataset.column_names})")
-    # Every row is checked, so the index in the message is the row's line in the file or split.
+            raise ValueError(f"GSM8K data at {path!r} has no {column!r} column (has {dataset.column_names})")
+    # Every row is checked before any filter or limit, so the message names the row's place in the file.
     for index, row in enumerate(dataset):
         if not isinstance(row["question"], str) or not row["question"].strip() or "####" not in str(row["answer"]):
             raise ValueError(
-                f"GSM8K row {index} of {name_or_path!r} ({split}) is malformed: it needs a non-empty 'question' and "
-                f"an 'answer' ending in '#### <number>'; got {dict(row)!r:.300}"
+                f"GSM8K data, {where[index]}: malformed row: it needs a non-empty 'question' and an 'answer' ending "
+                f"in '#### <number>'; got {dict(row)!r:.300}"
             )
     if max_solution_steps is not None:
         if max_solution_steps < 0:
