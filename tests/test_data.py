@@ -68,3 +68,23 @@ def test_a_line_that_is_not_json_is_named_by_file_and_line(tmp_path):
     (tmp_path / "train.jsonl").write_text(f"{good}\n\n" + json.dumps({"question": "", "answer": "#### 1"}) + "\n")
     with pytest.raises(ValueError, match=r"train.jsonl, line 3: malformed row"):
         load_gsm8k(str(tmp_path), "train")
+
+
+def test_addition_dataset_is_seeded_correct_and_held_out(tmp_path):
+    from trl_a3po.data import write_addition_dataset
+
+    write_addition_dataset(str(tmp_path / "a"), train_size=300, test_size=50, seed=3)
+    write_addition_dataset(str(tmp_path / "b"), train_size=300, test_size=50, seed=3)
+    for split in ("train", "test"):
+        assert (tmp_path / "a" / f"{split}.jsonl").read_text() == (tmp_path / "b" / f"{split}.jsonl").read_text()
+    train, test = load_gsm8k(str(tmp_path / "a"), "train"), load_gsm8k(str(tmp_path / "a"), "test")
+    assert len(train) == 300 and len(test) == 50
+    questions = {split: [p[-1]["content"].split("\n")[0] for p in data["prompt"]] for split, data in
+                 (("train", train), ("test", test))}
+    assert not set(questions["train"]) & set(questions["test"])  # held out
+    for question, answer in zip(questions["test"], test["answer"]):
+        a, b = (int(x) for x in question.removeprefix("What is ").removesuffix("?").split(" + "))
+        assert 10 <= a <= 99 and 10 <= b <= 99 and answer.endswith(f"#### {a + b}")
+    assert solution_steps(test["answer"][0]) == 1
+    with pytest.raises(ValueError, match="at most 8100 distinct problems"):
+        write_addition_dataset(str(tmp_path / "c"), train_size=8100, test_size=1)

@@ -144,12 +144,18 @@ def weight_pushes_logged(server):
     return server["log"].read_text().count('"POST /collective_rpc HTTP/1.1" 200')
 
 
+@pytest.fixture(scope="module")
+def synchronous_shards(tmp_path_factory):
+    """The prompts each of two processes trains synchronously (in-process generation; no server needed)."""
+    return launch(tmp_path_factory.mktemp("sync"), "sync")
+
+
 @pytest.mark.parametrize("mode", ["vllm", "vllm-lora"])
-def test_two_processes_share_one_server_with_one_push_per_version(tmp_path, vllm_server, mode):
+def test_two_processes_share_one_server_with_one_push_per_version(tmp_path, vllm_server, synchronous_shards, mode):
     # The production shape: several training processes, one vLLM server. The main process owns the server's weights
     # and generates every rank's share; each rank trains exactly its synchronous share. With LoRA, the server gets
     # the merged weights of each version.
-    sync = launch(tmp_path, "sync")
+    sync = synchronous_shards
     before = weight_pushes_logged(vllm_server)
     ranks = launch(tmp_path, mode, vllm_server["port"], vllm_server["model_dir"])
     pushes = weight_pushes_logged(vllm_server) - before

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 
 from datasets import Dataset, load_dataset
 
@@ -95,3 +96,36 @@ def load_gsm8k(
     if limit is not None:
         dataset = dataset.select(range(min(limit, len(dataset))))
     return dataset.map(lambda row: {"prompt": gsm8k_prompt(row["question"], one_shot)}, remove_columns=["question"])
+
+
+def write_addition_dataset(folder: str, train_size: int = 2000, test_size: int = 200, seed: int = 0) -> str:
+    """Write a synthetic GSM8K-format task to `folder` (train.jsonl, test.jsonl): "What is a + b?" for two-digit a
+    and b, drawn with `seed`; no (a, b) pair of the test split occurs in the train split. An easy task whose accuracy
+    a 135M model can move on a CPU budget (SmolLM2-135M-Instruct, one-shot prompt: ~20% greedy before training); the
+    answers carry GSM8K's `<<a+b=c>>` annotation and `#### c`, so every loader, reward and evaluation here reads it.
+    Returns the folder."""
+    rng = random.Random(seed)
+    pairs = [(a, b) for a in range(10, 100) for b in range(10, 100)]
+    rng.shuffle(pairs)
+    if train_size + test_size > len(pairs):
+        raise ValueError(f"at most {len(pairs)} distinct problems: train_size + test_size = {train_size + test_size}")
+    os.makedirs(folder, exist_ok=True)
+    splits = {"test": pairs[:test_size], "train": pairs[test_size:test_size + train_size]}
+    for split, chosen in splits.items():
+        with open(os.path.join(folder, f"{split}.jsonl"), "w", encoding="utf-8") as f:
+            for a, b in chosen:
+                answer = f"{a} + {b} = <<{a}+{b}={a + b}>>{a + b}\n#### {a + b}"
+                f.write(json.dumps({"question": f"What is {a} + {b}?", "answer": answer}) + "\n")
+    return folder
+
+
+if __name__ == "__main__":
+    import argparse
+
+    parser = argparse.ArgumentParser(description="Write the synthetic addition task (train.jsonl, test.jsonl).")
+    parser.add_argument("folder")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--train-size", type=int, default=2000)
+    parser.add_argument("--test-size", type=int, default=200)
+    cli = parser.parse_args()
+    print(write_addition_dataset(cli.folder, cli.train_size, cli.test_size, cli.seed))
