@@ -96,6 +96,7 @@ def main(script_args: ScriptArguments, training_args: A3POConfig, model_args: Mo
     trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
     trainer.save_model(training_args.output_dir)  # the full model, or the LoRA adapter with --use_peft
     trainer.save_state()  # trainer_state.json: the log history `python -m trl_a3po.plot` draws
+    trainer.accelerator.end_training()  # stop trackers and tear the process group down before the interpreter exits
 
 
 if __name__ == "__main__":

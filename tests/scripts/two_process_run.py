@@ -106,3 +106,7 @@ staleness = [h["a3po/staleness/max"] for h in trainer.state.log_history if "a3po
         "client_calls": RecordingClient.calls,
     })
 )
+# A clean exit: every rank done, then the process group torn down (gloo's threads otherwise race interpreter
+# shutdown, which was seen to abort one rank with "terminate called without an active exception").
+trainer.accelerator.wait_for_everyone()
+trainer.accelerator.end_training()
