@@ -259,7 +259,7 @@ class A3POTrainer(GRPOTrainer):
             from torch.distributed.fsdp import FullyShardedDataParallel
 
             with FullyShardedDataParallel.summon_full_params(self.model_wrapped, writeback=False):
-                yield _hf_named_tensors(self.accelerator.unwrap_model(self.model))
+                yield _hf_named_tensors(model)
         elif self._dist.fsdp_version == 2:
             yield _hf_named_tensors(model, gather_dtensors=True)
         else:
@@ -294,9 +294,10 @@ class A3POTrainer(GRPOTrainer):
         # whose step happens inside backward()), so the live weights are exactly version `index`. Publish them here,
         # on the main thread of every process (gathering sharded parameters is a collective), then hand the producer
         # every batch the staleness bound now allows.
-        with self._full_policy_tensors() as tensors:
-            if self._queue is not None:
-                self._queue.publish(version, tensors)
+        if self._queue is not None or self._dist.is_zero3 or self._dist.is_fsdp:  # the gather needs every process
+            with self._full_policy_tensors() as tensors:
+                if self._queue is not None:
+                    self._queue.publish(version, tensors)
         start = time.perf_counter()
         share = None
         if self._queue is not None:
