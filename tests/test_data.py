@@ -88,3 +88,13 @@ def test_addition_dataset_is_seeded_correct_and_held_out(tmp_path):
     assert solution_steps(test["answer"][0]) == 1
     with pytest.raises(ValueError, match="at most 8100 distinct problems"):
         write_addition_dataset(str(tmp_path / "c"), train_size=8100, test_size=1)
+
+
+def test_the_committed_addition_task_is_seed_0_of_the_generator(tmp_path):
+    """recipes/data/addition (the CPU demo's and the learning benchmark's data) is exactly what the documented
+    command writes, so the benchmark's numbers can be reproduced from the generator alone."""
+    from trl_a3po.data import write_addition_dataset
+
+    write_addition_dataset(str(tmp_path))
+    for split in ("train", "test"):
+        assert (LOCAL.parent / "addition" / f"{split}.jsonl").read_text() == (tmp_path / f"{split}.jsonl").read_text()

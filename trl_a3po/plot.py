@@ -2,12 +2,13 @@
 
 Each RUN_DIR holds a `trainer_state.json` (the recipe saves one; so does every checkpoint). Runs are labelled by
 their method (sync / recompute / loglinear / metrics, from the run's saved training arguments) or by
-`--labels`. One PNG per figure, one curve per run:
+`--labels`. One PNG per figure, one curve per label: runs that share a label (seeds of one method) are drawn as
+their mean with a band of +- one standard deviation. One PNG per figure:
   fig1_prox_time.png        seconds spent on proximal log-probs per optimizer step
   fig2_reward_wallclock.png training reward vs wall-clock
   fig2b_reward_step.png     training reward vs optimizer step
   fig3_eval_reward.png      greedy eval accuracy vs step (the GreedyEvalCallback's log entries, and the
-                            `greedy_eval.json` list of {"step", "accuracy"} that benchmarks/learning_check.py
+                            `greedy_eval.json` list of {"step", "accuracy"} that benchmarks/learning.py
                             writes next to trainer_state.json)
   fig4_entropy.png          policy entropy vs step
   fig5_importance_weight.png  behaviour importance weight max and min vs step
@@ -19,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 
 EVAL_KEY = "eval/gsm8k_greedy_accuracy"
 FIGURES = {
@@ -84,6 +86,18 @@ def series(history: list[dict], key: str, x_axis: str) -> tuple[list[float], lis
     return xs, ys
 
 
+def mean_band(curves: list[tuple[list[float], list[float]]], x_axis: str):
+    """The seeds of one method -> (x, mean, std) over their common points (the k-th logged point of every seed).
+    On the step axis every seed must have logged the same steps; on wall-clock x is the seeds' mean time."""
+    n = min(len(xs) for xs, _ in curves)
+    if x_axis == "step" and any(xs[:n] != curves[0][0][:n] for xs, _ in curves):
+        raise ValueError("runs with the same label logged different steps; give them different --labels")
+    x = [statistics.mean(xs[i] for xs, _ in curves) for i in range(n)]
+    mean = [statistics.mean(ys[i] for _, ys in curves) for i in range(n)]
+    std = [statistics.stdev([ys[i] for _, ys in curves]) if len(curves) > 1 else 0.0 for i in range(n)]
+    return x, mean, std
+
+
 def plot_runs(run_dirs: list[str], out_dir: str, labels: list[str] | None = None) -> list[str]:
     import matplotlib
 
@@ -98,13 +112,20 @@ def plot_runs(run_dirs: list[str], out_dir: str, labels: list[str] | None = None
         keys = keys if isinstance(keys, tuple) else (keys,)
         fig, ax = plt.subplots(figsize=(6, 4))
         drawn = 0
-        for history, label in zip(histories, labels):
+        for label in dict.fromkeys(labels):  # first-seen order
+            group = [h for h, l in zip(histories, labels) if l == label]
             for key in keys:
-                xs, ys = series(history, key, x_axis)
-                if xs:
-                    suffix = f" ({key.rsplit('/', 1)[-1]})" if len(keys) > 1 else ""
-                    ax.plot(xs, ys, marker="." if len(xs) < 50 else None, label=label + suffix)
-                    drawn += 1
+                curves = [c for c in (series(h, key, x_axis) for h in group) if c[0]]
+                if not curves:
+                    continue
+                xs, mean, std = mean_band(curves, x_axis)
+                suffix = f" ({key.rsplit('/', 1)[-1]})" if len(keys) > 1 else ""
+                seeds = f", {len(curves)} runs" if len(curves) > 1 else ""
+                line, = ax.plot(xs, mean, marker="." if len(xs) < 50 else None, label=label + suffix + seeds)
+                if len(curves) > 1:
+                    ax.fill_between(xs, [m - s for m, s in zip(mean, std)], [m + s for m, s in zip(mean, std)],
+                                    color=line.get_color(), alpha=0.2, linewidth=0)
+                drawn += 1
         if not drawn:
             ax.text(0.5, 0.5, "not in these logs", ha="center", va="center", transform=ax.transAxes)
         ax.set(title=title, xlabel="wall-clock (s)" if x_axis == "wall" else "optimizer step", ylabel=ylabel)
