@@ -1,9 +1,16 @@
 """Greedy GSM8K accuracy (the paper's "final eval reward") of a model, a checkpoint or a LoRA adapter.
 
     python recipes/eval_gsm8k.py --model smollm2-135m-instruct --dataset recipes/data/gsm8k --limit 200
-    python recipes/eval_gsm8k.py --model outputs/gsm8k-cpu                       # a trained checkpoint
-    python recipes/eval_gsm8k.py --model BASE --adapter outputs/gsm8k-lora        # a PEFT adapter on its base
+    # the CPU demo's model (recipes/gsm8k_cpu.yaml) on its held-out addition problems, with its prompt and budget
+    python recipes/eval_gsm8k.py --model outputs/gsm8k-cpu --dataset recipes/data/addition --one-shot \
+        --max-new-tokens 64 --batch-size 50
+    # a PEFT adapter on its base (README, "LoRA")
+    python recipes/eval_gsm8k.py --model smollm2-135m-instruct --adapter outputs/gsm8k-lora \
+        --dataset recipes/data/addition --one-shot --max-new-tokens 64
+    # GPU, on a running vLLM server (README, "vLLM server"), from the hub
     python recipes/eval_gsm8k.py --model Qwen/Qwen2.5-1.5B-Instruct --vllm-url http://127.0.0.1:8000
+
+The data: a hub id (openai/gsm8k, the default, needs the network) or a folder with test.jsonl.
 """
 
 import argparse

@@ -2,11 +2,15 @@
 
     accelerate launch recipes/gsm8k.py --config recipes/gsm8k.yaml          # the paper's setup 1 (GPUs)
     accelerate launch recipes/gsm8k.py --config recipes/gsm8k_cpu.yaml      # SmolLM2-135M on a CPU, offline
+    accelerate launch recipes/gsm8k.py                                      # one of the two, for this machine
 
-Every A3POConfig / GRPOConfig / TrainingArguments field and every ModelConfig field (`--use_peft`, `--lora_r`,
+Without --config the recipe takes recipes/gsm8k.yaml where a GPU is visible and recipes/gsm8k_cpu.yaml elsewhere,
+and says which. Every A3POConfig / GRPOConfig / TrainingArguments field and every ModelConfig field (`--use_peft`, `--lora_r`,
 `--lora_target_modules`, ...) is a flag; flags override the yaml. `python recipes/gsm8k.py --help` lists them.
 """
 
+import os
+import sys
 from dataclasses import dataclass, field
 
 import torch
@@ -99,6 +103,14 @@ def main(script_args: ScriptArguments, training_args: A3POConfig, model_args: Mo
     trainer.accelerator.end_training()  # stop trackers and tear the process group down before the interpreter exits
 
 
+def default_config() -> str:
+    name = "gsm8k.yaml" if torch.cuda.is_available() else "gsm8k_cpu.yaml"
+    return os.path.relpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), name))
+
+
 if __name__ == "__main__":
+    if not any(arg == "--config" or arg.startswith("--config=") for arg in sys.argv[1:]):
+        sys.argv[1:1] = ["--config", default_config()]
+        print(f"no --config given: using {sys.argv[2]}", flush=True)
     parser = TrlParser((ScriptArguments, A3POConfig, ModelConfig))
     main(*parser.parse_args_and_config())

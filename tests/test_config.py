@@ -103,6 +103,9 @@ def test_a_generation_batch_must_end_on_an_optimizer_step(tmp_path, kwargs):
     [
         (dict(async_generation=True, use_decoupled_loss=False), r"max_staleness=1 .*coupled GRPO loss"),
         (dict(async_generation=True, use_decoupled_loss=False, max_staleness=2), r"or\s+max_staleness=0"),
+        # the producer counts policy versions, with the coupled loss too
+        (dict(async_generation=True, use_decoupled_loss=False, max_staleness=0, steps_per_generation=3,
+              gradient_accumulation_steps=2), r"must be a multiple of\s+gradient_accumulation_steps"),
         (dict(async_generation=True, use_vllm=True), r"rollout_backend='vllm_server'"),
         (dict(async_generation=False, rollout_backend="vllm_server"), r"use TRL's own use_vllm=True"),
         (dict(rollout_backend="sglang"), r"rollout_backend='sglang' is not supported"),

@@ -90,3 +90,26 @@ def test_recipe_two_processes(tiny_model_dir, tmp_path):
          "no", *recipe_args(tiny_model_dir, tmp_path / "ddp")])
     steps = [h for h in trainer_log(tmp_path / "ddp") if "a3po/staleness/max" in h]
     assert len(steps) == 3
+
+
+def test_design_card_form_runs_the_cpu_demo_config_for_two_steps(tmp_path):
+    """`accelerate launch recipes/gsm8k.py` with no --config on a machine without a GPU: the recipe takes
+    recipes/gsm8k_cpu.yaml (the README's main command), the real SmolLM2-135M-Instruct and the addition task; two
+    optimizer steps (one policy version) here."""
+    out = run([sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "1", "--mixed_precision", "no",
+               "--dynamo_backend", "no", str(REPO / "recipes" / "gsm8k.py"), "--max_steps", "2",
+               "--output_dir", str(tmp_path / "demo")], timeout=1200)
+    assert "no --config given: using recipes/gsm8k_cpu.yaml" in out.stdout
+    import torch
+
+    args = torch.load(tmp_path / "demo" / "training_args.bin", weights_only=False)
+    assert (args.max_staleness, args.max_completion_length, args.learning_rate) == (2, 64, 2e-5)
+    assert args.reward_weights == [1.0, 0.5]  # accuracy + 0.5 x format, from the yaml
+    history = trainer_log(tmp_path / "demo")
+    steps = [h for h in history if "a3po/staleness/max" in h]
+    assert [h["step"] for h in steps] == [1, 2] and [h["a3po/staleness/max"] for h in steps] == [0, 0]
+    first = history[0]
+    assert first["completions/max_length"] <= 64
+    # the reward is the weighted sum of its parts, as logged (8 samples of the addition task)
+    assert first["reward"] == pytest.approx(first["rewards/gsm8k_accuracy_reward/mean"]
+                                            + 0.5 * first["rewards/gsm8k_format_reward/mean"])

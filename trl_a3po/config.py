@@ -173,10 +173,9 @@ class A3POConfig(GRPOConfig):
         if self.dual_clip_c is not None and not self.dual_clip_c > 1.0:
             raise ValueError(f"dual_clip_c={self.dual_clip_c} must be > 1 (typically 3.0), or None to disable it.")
         self._validate_generation()
-        if not self.use_decoupled_loss:
-            return
         micro_steps = self.steps_per_generation * self.num_iterations
-        if micro_steps % self.gradient_accumulation_steps:
+        # The producer counts versions too (it generates batch k with version k - max_staleness or newer).
+        if (self.use_decoupled_loss or self.async_generation) and micro_steps % self.gradient_accumulation_steps:
             # A policy version is the weights after a whole generation batch has been trained; a batch that ends
             # inside an optimizer step would have no such weights.
             raise ValueError(
@@ -186,6 +185,8 @@ class A3POConfig(GRPOConfig):
                 "on an optimizer step (the end of a policy version); e.g. set steps_per_generation to a multiple of "
                 "gradient_accumulation_steps."
             )
+        if not self.use_decoupled_loss:
+            return
 
         unsupported = {
             "loss_type": (

@@ -205,7 +205,7 @@ class NCCLTransport:
 @contextlib.contextmanager
 def local_vllm_server(python: str, model_dir: str, port: int, workdir: str, max_model_len: int = 1024,
                       env: dict | None = None, timeout_s: float = 600):
-    """A vLLM server on this machine for `model_dir` (the tests and `benchmarks/learning_check.py` start one), with
+    """A vLLM server on this machine for `model_dir` (the tests and `benchmarks/learning.py` start one), with
     the flags this backend needs: dev mode for the disk transport's `/collective_rpc`, processed log-probs. Yields
     its base URL once `/health` answers; on exit stops its whole process group, so vLLM's engine and worker
     processes do not outlive it. `python` is a Python that has vLLM (`.venv-vllm/bin/python`); caches, RPC sockets
