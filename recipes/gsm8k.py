@@ -5,8 +5,8 @@
     accelerate launch recipes/gsm8k.py                                      # one of the two, for this machine
 
 Without --config the recipe takes recipes/gsm8k.yaml where a GPU is visible and recipes/gsm8k_cpu.yaml elsewhere,
-and says which. Every A3POConfig / GRPOConfig / TrainingArguments field and every ModelConfig field (`--use_peft`, `--lora_r`,
-`--lora_target_modules`, ...) is a flag; flags override the yaml. `python recipes/gsm8k.py --help` lists them.
+and says which. Every A3POConfig / GRPOConfig / TrainingArguments field and every ModelConfig field (`--use_peft`,
+`--lora_r`, `--lora_target_modules`, ...) is a flag; flags override the yaml. `python recipes/gsm8k.py --help` lists them.
 """
 
 import os

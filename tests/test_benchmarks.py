@@ -44,10 +44,12 @@ def test_learning_benchmark_summary_reads_a_run_log(tmp_path):
     steps = [  # 4 optimizer steps, 2 per generation batch: reward logged on the first of each
         {"step": 1, "step_time": 1.0, "reward": 0.25, "a3po/wall_time_s": 10.0, "a3po/prox_time_s": 0.5,
          "a3po/staleness/frac_d0": 1.0},
-        {"step": 2, "step_time": 1.0, "a3po/wall_time_s": 20.0, "a3po/prox_time_s": 0.5, "a3po/staleness/frac_d0": 1.0},
+        {"step": 2, "step_time": 1.0, "a3po/wall_time_s": 20.0, "a3po/prox_time_s": 0.5,
+         "a3po/staleness/frac_d0": 1.0},
         {"step": 3, "step_time": 1.0, "reward": 0.75, "a3po/wall_time_s": 30.0, "a3po/prox_time_s": 1.5,
          "a3po/staleness/frac_d1": 0.25, "a3po/staleness/frac_d2": 0.75},
-        {"step": 4, "step_time": 1.0, "a3po/wall_time_s": 41.5, "a3po/prox_time_s": 1.5, "a3po/staleness/frac_d2": 1.0},
+        {"step": 4, "step_time": 1.0, "a3po/wall_time_s": 41.5, "a3po/prox_time_s": 1.5,
+         "a3po/staleness/frac_d2": 1.0},
         {"train_runtime": 50.0},
     ]
     (tmp_path / "trainer_state.json").write_text(json.dumps({"log_history": steps}))

@@ -102,8 +102,8 @@ def write_addition_dataset(folder: str, train_size: int = 2000, test_size: int =
     """Write a synthetic GSM8K-format task to `folder` (train.jsonl, test.jsonl): "What is a + b?" for two-digit a
     and b, drawn with `seed`; no (a, b) pair of the test split occurs in the train split. An easy task whose accuracy
     a 135M model can move on a CPU budget (SmolLM2-135M-Instruct, one-shot prompt: 13% greedy on seed 0's test split
-    before training; `recipes/data/addition` is seed 0's output). The answers carry GSM8K's `<<a+b=c>>` annotation and `#### c`, so every loader, reward and evaluation here reads it.
-    Returns the folder."""
+    before training; `recipes/data/addition` is seed 0's output). The answers carry GSM8K's `<<a+b=c>>` annotation
+    and `#### c`, so every loader, reward and evaluation here reads it. Returns the folder."""
     rng = random.Random(seed)
     pairs = [(a, b) for a in range(10, 100) for b in range(10, 100)]
     rng.shuffle(pairs)
