@@ -24,7 +24,8 @@ training step). Methods:
 Each run writes `benchmarks/runs/learning/<method>-s<seed>/` when it is done: `trainer_state.json` (the log),
 `greedy_eval.json` (greedy accuracy on the 200 held-out problems before and after), `result.json` (the summary
 the table reads) and `train.log`. A run with a `result.json` is finished and skipped. The base model's greedy
-accuracy is measured once (`base/greedy_eval.json`). Model weights stay in `outputs/learning/` (not committed).
+accuracy is measured once (`base/greedy_eval.json`). The trained weights stay in `outputs/learning/<run>/` (0.5 GB
+each, not committed), so any evaluation can be repeated.
 """
 
 from __future__ import annotations
@@ -119,9 +120,6 @@ def train_and_evaluate(method: str, seed: int, args, base_model: str) -> None:
     result.update(started=started, process_s=round(process_s, 1), command=command[1:])
     with open(os.path.join(out, "result.json"), "w") as f:  # written last: marks the run finished
         json.dump(result, f, indent=1)
-    for file in os.listdir(work):  # keep the log, drop the weights (~0.5 GB per run)
-        if file.endswith(".safetensors"):
-            os.remove(os.path.join(work, file))
     print(f"{name}: training {result['train_s']:.0f} s, greedy {before['accuracy']:.3f} -> {after['accuracy']:.3f}",
           flush=True)
 
