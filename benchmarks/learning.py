@@ -34,6 +34,7 @@ import argparse
 import json
 import os
 import shutil
+import socket
 import statistics
 import subprocess
 import sys
@@ -84,9 +85,19 @@ def greedy_accuracy(model_dir: str, dataset_dir: str, limit: int, port: int, wor
     return result
 
 
+def check_port_free(port: int) -> None:
+    # A server left over from a killed run (SIGKILL skips the cleanup) would answer instead of this run's.
+    with socket.socket() as probe:
+        if probe.connect_ex(("127.0.0.1", port)) == 0:
+            raise SystemExit(f"port {port} is in use (a vLLM server left by a killed run? `pkill -f "
+                             "vllm.entrypoints`), or pass --port")
+
+
 def train_and_evaluate(method: str, seed: int, args, base_model: str) -> None:
     from trl_a3po.rollout.vllm_server import local_vllm_server
 
+    for port in (args.port, args.port + 1):
+        check_port_free(port)
     name = run_name(method, seed)
     work = os.path.join(REPO, "outputs", "learning", name)
     shutil.rmtree(work, ignore_errors=True)  # an interrupted run starts over

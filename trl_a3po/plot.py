@@ -7,6 +7,7 @@ their mean with a band of +- one standard deviation. One PNG per figure:
   fig1_prox_time.png        seconds spent on proximal log-probs per optimizer step
   fig2_reward_wallclock.png training reward vs wall-clock
   fig2b_reward_step.png     training reward vs optimizer step
+  fig2c_accuracy_reward_step.png  its accuracy part (gsm8k_accuracy_reward) vs optimizer step
   fig3_eval_reward.png      greedy eval accuracy vs step (the GreedyEvalCallback's log entries, and the
                             `greedy_eval.json` list of {"step", "accuracy"} that benchmarks/learning.py
                             writes next to trainer_state.json)
@@ -27,6 +28,9 @@ FIGURES = {
     "fig1_prox_time": ("proximal log-prob time per step", "a3po/prox_time_s", "seconds", "step"),
     "fig2_reward_wallclock": ("training reward vs wall-clock", "reward", "reward", "wall"),
     "fig2b_reward_step": ("training reward vs step", "reward", "reward", "step"),
+    # the accuracy part alone: a format bonus can lift the total reward while accuracy falls
+    "fig2c_accuracy_reward_step": ("training accuracy reward vs step", "rewards/gsm8k_accuracy_reward/mean",
+                                   "accuracy reward", "step"),
     "fig3_eval_reward": ("greedy eval accuracy", EVAL_KEY, "accuracy", "step"),
     "fig4_entropy": ("policy entropy", "entropy", "entropy (nats)", "step"),
     "fig5_importance_weight": ("behaviour importance weight", ("a3po/behav_imp_weight/max", "a3po/behav_imp_weight/min"),
