@@ -43,6 +43,9 @@ def _fsdp2_gather(rank, world, port, out_dir):
         }
         with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
             json.dump(report, f)
+        # Both ranks done before either tears gloo down: a rank leaving while the other is still in a collective
+        # aborted once at exit ("terminate called without an active exception").
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
