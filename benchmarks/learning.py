@@ -220,9 +220,10 @@ def report(results_dir: str, figures_dir: str) -> None:
         print("training time vs loglinear: " + "; ".join(
             f"{m} {statistics.mean(r['train_s'] for r in results[m]) / base:.2f}x"
             for m in ("sync", "recompute") if m in results))
-    dirs = [os.path.join(results_dir, run_name(r["method"], r["seed"])) for m in results for r in results[m]]
-    subprocess.check_call([sys.executable, "-m", "trl_a3po.plot", *dirs, "--out", figures_dir,
-                           "--labels", *[r["method"] for m in results for r in results[m]]], cwd=REPO)
+    finished = [r for m in results for r in results[m]]
+    subprocess.check_call([sys.executable, "-m", "trl_a3po.plot",
+                           *[os.path.join(results_dir, run_name(r["method"], r["seed"])) for r in finished],
+                           "--out", figures_dir, "--labels", *[r["method"] for r in finished]], cwd=REPO)
 
 
 def main():

@@ -127,14 +127,13 @@ class VersionRecorder(TrainerCallback):
             }
 
 
-def record_trained_samples(trainer):
+def record_trained_samples(trainer, keys=("prompt_ids", "prompt_mask", "completion_ids", "completion_mask",
+                                          "sampling_per_token_logps", "behavior_version")):
     samples = []
     original = trainer._compute_loss
 
     def recording(model, inputs):
-        samples.append({key: inputs[key].detach().clone() for key in (
-            "prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "sampling_per_token_logps",
-            "behavior_version")})
+        samples.append({key: inputs[key].detach().clone() for key in keys if key in inputs})
         return original(model, inputs)
 
     trainer._compute_loss = recording
@@ -343,15 +342,7 @@ def test_coupled_grpo_on_the_producer_at_max_staleness_0_is_synchronous(tmp_path
         reward = Recorder()
         trainer = make(tmp_path / mode, tokenizer, prompt_dataset, reward=reward, use_decoupled_loss=False,
                        steps_per_generation=2, max_steps=8, learning_rate=1e-2, **extra)
-        seen = []
-        original = trainer._compute_loss
-
-        def recording(model, inputs, original=original, seen=seen):
-            seen.append({k: inputs[k].detach().clone() for k in
-                         ("completion_mask", "old_per_token_logps", "sampling_per_token_logps") if k in inputs})
-            return original(model, inputs)
-
-        trainer._compute_loss = recording
+        seen = record_trained_samples(trainer, ("completion_mask", "old_per_token_logps", "sampling_per_token_logps"))
         trainer.train()
         runs[mode] = reward.prompts
         if mode == "queue":
