@@ -276,7 +276,12 @@ class _FailingOptimizerStep(TrainerCallback):
 
 @pytest.mark.parametrize("how", ["raise", "sigint"])
 def test_a_failure_during_training_ends_train_fast_with_no_thread_left(tmp_path, tokenizer, prompt_dataset,
-                                                                       monkeypatch, how):
+                                                                       monkeypatch, request, how):
+    if how == "sigint":
+        # A process started in the background (`nohup ... &`) inherits SIGINT ignored, and Python then installs no
+        # KeyboardInterrupt handler: install the one a Ctrl-C in a terminal meets.
+        previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+        request.addfinalizer(lambda: signal.signal(signal.SIGINT, previous))
     # From the second batch on, generation takes 0.5 s per token for 64 tokens (32 s): the producer is mid-generation
     # when the optimizer step fails, and only the stop signal can end it early.
     mid_generation = threading.Event()
