@@ -81,3 +81,11 @@ def prompt_dataset():
 def digit_reward(completions, **kwargs):
     """A deterministic reward with spread inside each group: the share of digits in the completion."""
     return [sum(ch.isdigit() for ch in c) / max(len(c), 1) for c in completions]
+
+
+@pytest.fixture(scope="session")
+def synchronous_shards(tmp_path_factory):
+    """The prompts each of two processes trains synchronously (in-process generation, DDP over gloo)."""
+    from test_accelerate import launch
+
+    return launch(tmp_path_factory.mktemp("sync"), "sync")

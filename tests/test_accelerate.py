@@ -16,11 +16,18 @@ def free_port():
         return s.getsockname()[1]
 
 
+DEEPSPEED_CPU = SCRIPT.parent / "deepspeed_cpu.json"
+
+
 def launch(out_dir, mode, *extra):
+    """`mode`s ending in "zero3" run under real DeepSpeed ZeRO-3 (CPU, gloo, `DEEPSPEED_CPU`)."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    distributed = ["--multi_gpu"]
+    if mode.endswith("zero3"):
+        distributed = ["--use_deepspeed", "--deepspeed_config_file", str(DEEPSPEED_CPU), "--zero3_init_flag", "true"]
     # `--cpu` alone starts one process unless MPI is set up; `--multi_gpu` uses torchrun, which on a machine without
     # GPUs (and `use_cpu=True` in the config) runs the processes on CPU over gloo.
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--num_machines",
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", *distributed, "--num_processes", "2", "--num_machines",
            "1", "--main_process_port", str(free_port()), "--mixed_precision", "no", "--dynamo_backend", "no", str(SCRIPT), str(out_dir), mode, *map(str, extra)]
     result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
@@ -40,11 +47,22 @@ def check_ranks_follow_the_synchronous_shards(sync, async_):
     assert prompts[0].isdisjoint(prompts[1])  # the ranks share the batch, not duplicate it
 
 
-def test_two_process_async_run_follows_the_synchronous_shards(tmp_path):
-    sync = launch(tmp_path, "sync")
+def test_two_process_async_run_follows_the_synchronous_shards(tmp_path, synchronous_shards):
+    sync = synchronous_shards
     async_ = launch(tmp_path, "async")
     check_ranks_follow_the_synchronous_shards(sync, async_)
     for rank in range(2):
         # the version invariant, on every sample of every rank (2 samples per step, 8 steps)
         assert async_[rank]["checked"] == 16 and sync[rank]["checked"] == 16
     assert max(async_[0]["staleness_max"]) == 2  # the producer did run ahead
+
+
+def test_two_processes_under_deepspeed_zero3_train_async_in_process(tmp_path, synchronous_shards):
+    # Real DeepSpeed ZeRO-3 (CPU, gloo): the parameters are partitioned, each process's generator snapshot is built
+    # whole (never partitioned, never in a collective), and every sample matches its recorded version (1e-5).
+    ranks = launch(tmp_path, "zero3")
+    check_ranks_follow_the_synchronous_shards(synchronous_shards, ranks)
+    for rank in range(2):
+        assert ranks[rank]["partitioned_fraction"] == 0.5  # each process holds half of every parameter
+        assert ranks[rank]["checked"] == 16
+    assert max(ranks[0]["staleness_max"]) == 2

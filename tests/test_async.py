@@ -13,7 +13,7 @@ from transformers import TrainerCallback
 from test_trainer import COMMON, logged
 
 from trl_a3po import A3POConfig, A3POTrainer
-from trl_a3po.rollout import InProcessBackend, ProducerError
+from trl_a3po.rollout import InProcessBackend, ProducerError, build_whole_snapshot
 from trl_a3po.rollout.vllm_server import VLLMServerUnreachable
 
 
@@ -122,9 +122,12 @@ class VersionRecorder(TrainerCallback):
     def on_step_begin(self, args, state, control, **kwargs):
         per_version = args.steps_per_generation * args.num_iterations // args.gradient_accumulation_steps
         if state.global_step % per_version == 0:
-            self.weights[state.global_step // per_version] = {
-                name: tensor.detach().clone() for name, tensor in self.trainer.model.state_dict().items()
-            }
+            if self.trainer._dist.is_zero3:  # partitioned: gather the whole weights (a collective, every rank is here)
+                with self.trainer._full_policy_tensors() as tensors:
+                    weights = {name: tensor.detach().clone() for name, tensor in tensors.items()}
+            else:
+                weights = {name: tensor.detach().clone() for name, tensor in self.trainer.model.state_dict().items()}
+            self.weights[state.global_step // per_version] = weights
 
 
 def record_trained_samples(trainer, keys=("prompt_ids", "prompt_mask", "completion_ids", "completion_mask",
@@ -144,6 +147,14 @@ def check_behaviour_logprobs_against_versions(trainer, versions, samples, atol):
     """For every trained sample: its behaviour log-probs equal those the weights of its recorded behaviour version
     give it (a forward of those weights after training). Returns the number of samples checked."""
     replay = trainer.model  # TRL's patched forward; training is over, so it can carry each version's weights
+    logps = trainer._get_per_token_logps_and_entropies
+    if trainer._dist.is_zero3:  # partitioned parameters: replay on a whole, plain copy of the architecture instead
+        replay = build_whole_snapshot(trainer.accelerator.unwrap_model(trainer.model), torch.device("cpu"))
+
+        def logps(model, input_ids, attention_mask, logits_to_keep):
+            logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, -logits_to_keep - 1 : -1]
+            logp = torch.log_softmax(logits.float() / trainer.temperature, -1)
+            return logp.gather(-1, input_ids[:, -logits_to_keep:, None]).squeeze(-1), None, None
     replay.eval()
     checked = 0
     for inputs in samples:
@@ -151,7 +162,7 @@ def check_behaviour_logprobs_against_versions(trainer, versions, samples, atol):
             rows = inputs["behavior_version"] == version
             replay.load_state_dict(versions.weights[version])
             with torch.no_grad():
-                logp, _, _ = trainer._get_per_token_logps_and_entropies(
+                logp, _, _ = logps(
                     replay,
                     torch.cat([inputs["prompt_ids"][rows], inputs["completion_ids"][rows]], 1),
                     torch.cat([inputs["prompt_mask"][rows], inputs["completion_mask"][rows]], 1),

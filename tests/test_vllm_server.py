@@ -144,17 +144,12 @@ def weight_pushes_logged(server):
     return server["log"].read_text().count('"POST /collective_rpc HTTP/1.1" 200')
 
 
-@pytest.fixture(scope="module")
-def synchronous_shards(tmp_path_factory):
-    """The prompts each of two processes trains synchronously (in-process generation; no server needed)."""
-    return launch(tmp_path_factory.mktemp("sync"), "sync")
-
-
-@pytest.mark.parametrize("mode", ["vllm", "vllm-lora"])
+@pytest.mark.parametrize("mode", ["vllm", "vllm-lora", "vllm-zero3"])
 def test_two_processes_share_one_server_with_one_push_per_version(tmp_path, vllm_server, synchronous_shards, mode):
     # The production shape: several training processes, one vLLM server. The main process owns the server's weights
     # and generates every rank's share; each rank trains exactly its synchronous share. With LoRA, the server gets
-    # the merged weights of each version.
+    # the merged weights of each version. Under real DeepSpeed ZeRO-3 (CPU, gloo) every process enters the gather at
+    # each version and the main process pushes the whole weights.
     sync = synchronous_shards
     before = weight_pushes_logged(vllm_server)
     ranks = launch(tmp_path, mode, vllm_server["port"], vllm_server["model_dir"])
@@ -165,6 +160,8 @@ def test_two_processes_share_one_server_with_one_push_per_version(tmp_path, vllm
     versions = sorted(set(ranks[0]["behaviour_versions"]) | set(ranks[1]["behaviour_versions"]))
     assert len(versions) >= 2
     assert pushes == len(versions)  # one push per version the generator used, not one per rank
+    if mode == "vllm-zero3":
+        assert ranks[0]["partitioned_fraction"] == ranks[1]["partitioned_fraction"] == 0.5
 
 
 def test_nccl_transport_has_one_communicator_and_one_push_per_version(tmp_path, vllm_server):

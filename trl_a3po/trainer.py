@@ -31,7 +31,7 @@ import torch
 from accelerate.data_loader import BatchSamplerShard
 from accelerate.utils import broadcast_object_list, is_peft_model
 from torch.utils.data import BatchSampler
-from transformers import AutoModelForCausalLM, TrainerCallback
+from transformers import TrainerCallback
 from trl import GRPOTrainer
 from trl.extras.profiling import profiling_context
 from trl.models.utils import disable_gradient_checkpointing, unwrap_model_for_generation
@@ -39,7 +39,14 @@ from trl.trainer.utils import nanmax, nanmin, split_tensor_dict
 
 from .config import A3POConfig
 from .proximal import PROX_APPROXIMATIONS, aggregate_loss, approximate_prox_logp, decoupled_ppo_loss, staleness_alpha
-from .rollout import GenerationQueue, InProcessBackend, ProducerError, StalenessBound, generate_with_behavior_logprobs
+from .rollout import (
+    GenerationQueue,
+    InProcessBackend,
+    ProducerError,
+    StalenessBound,
+    build_whole_snapshot,
+    generate_with_behavior_logprobs,
+)
 
 
 _GRPO_INIT = inspect.signature(GRPOTrainer.__init__)  # to name the arguments before GRPOTrainer sees them
@@ -228,11 +235,8 @@ class A3POTrainer(GRPOTrainer):
         if self.args.rollout_backend == "inprocess":
             model = self.accelerator.unwrap_model(self.model)
             base = model.get_base_model() if is_peft_model(model) else model
-            # the dtype from the model, not a parameter: under FSDP or ZeRO-3 the parameters may be flat shards
-            snapshot = AutoModelForCausalLM.from_config(base.config, dtype=base.dtype)
-            snapshot.to(self.accelerator.device)
             backend = InProcessBackend(
-                snapshot,
+                build_whole_snapshot(base, self.accelerator.device),
                 self.generation_config,
                 pad_token_id=self._tokenizer.pad_token_id,
                 eos_token_ids=list(self.eos_token_ids),

@@ -61,6 +61,7 @@ class RecordingClient:
 tokenizer = make_tokenizer()
 dataset = Dataset.from_dict({"prompt": [f"Question {i}: what is {i} plus {i + 1}?" for i in range(48)]})
 server = {}
+zero3 = mode.endswith("zero3")  # launched with DeepSpeed ZeRO-3 (tests/scripts/deepspeed_cpu.json)
 if mode.startswith("vllm"):
     from transformers import AutoModelForCausalLM
 
@@ -78,8 +79,10 @@ else:
     model = make_model(tokenizer)
 args = A3POConfig(
     output_dir=str(out_dir / mode), per_device_train_batch_size=2, num_generations=4, max_completion_length=6,
-    steps_per_generation=2, max_steps=8, logging_steps=1, report_to="none", use_cpu=True, save_strategy="no",
+    steps_per_generation=2, max_steps=8, logging_steps=1, report_to="none", use_cpu=not zero3, save_strategy="no",
     seed=0, bf16=False, learning_rate=1e-2, async_generation=(mode != "sync"), max_staleness=2, **server,
+    # DeepSpeed on CPU: `use_cpu` would bypass it; gloo instead of NCCL; fp32
+    **({"ddp_backend": "gloo"} if zero3 else {}),
 )
 peft_config = None
 if mode == "vllm-lora":  # the server receives the merged weights (W + scale * B @ A) of each version
@@ -97,13 +100,17 @@ checked = 0
 if mode != "vllm-nccl-standin":  # the stand-in pushes nothing: the server keeps its first weights
     checked = check_behaviour_logprobs_against_versions(trainer, versions, samples,
                                                         atol=1e-3 if mode.startswith("vllm") else 1e-5)
+# Under ZeRO-3 each process holds only its partition of every parameter (outside a gather).
+params = list(trainer.model_wrapped.parameters()) if zero3 else []
+held = sum(p.ds_tensor.numel() for p in params if hasattr(p, "ds_tensor"))
+partitioned_fraction = held / max(sum(p.ds_numel for p in params if hasattr(p, "ds_numel")), 1)
 staleness = [h["a3po/staleness/max"] for h in trainer.state.log_history if "a3po/staleness/max" in h]
 (out_dir / f"{mode}-rank{rank}.json").write_text(
     json.dumps({
         "prompts": seen, "staleness_max": staleness, "eta": args.max_staleness,
         "world": trainer.accelerator.num_processes, "checked": checked,
         "behaviour_versions": sorted({int(v) for s in samples for v in s["behavior_version"]}),
-        "client_calls": RecordingClient.calls,
+        "client_calls": RecordingClient.calls, "partitioned_fraction": partitioned_fraction,
     })
 )
 # A clean exit: every rank done, then the process group torn down (gloo's threads otherwise race interpreter

@@ -1,6 +1,6 @@
 """The generation side: knows token ids, log-probs and policy versions, nothing of losses."""
 
-from .inprocess import InProcessBackend, generate_with_behavior_logprobs
+from .inprocess import InProcessBackend, build_whole_snapshot, generate_with_behavior_logprobs
 from .queue import (
     GeneratedBatch,
     GenerationQueue,
@@ -18,5 +18,6 @@ __all__ = [
     "ProducerError",
     "RolloutBackend",
     "StalenessBound",
+    "build_whole_snapshot",
     "generate_with_behavior_logprobs",
 ]

@@ -22,6 +22,19 @@ def left_pad(prompt_ids: list[list[int]], pad_token_id: int) -> tuple[torch.Tens
     return input_ids, attention_mask
 
 
+def build_whole_snapshot(model: PreTrainedModel, device: torch.device) -> PreTrainedModel:
+    """A plain, whole copy of `model`'s architecture on `device`, for the generator (its weights arrive by `load`).
+
+    Built by calling the model class directly, not `from_config`: under DeepSpeed ZeRO-3 `from_config` builds inside
+    `deepspeed.zero.Init`, which would partition the snapshot across the training processes (its parameters empty
+    outside a gather). The dtype comes from the model, not from a parameter (under FSDP or ZeRO-3 those may be flat
+    shards).
+    """
+    with torch.device(device):
+        snapshot = type(model)(copy.deepcopy(model.config))
+    return snapshot.to(model.dtype)
+
+
 def generate_with_behavior_logprobs(
     model: PreTrainedModel,
     prompt_ids: list[list[int]],
@@ -29,6 +42,7 @@ def generate_with_behavior_logprobs(
     pad_token_id: int,
     eos_token_ids: list[int],
     stop: threading.Event | None = None,
+    synced_gpus: bool | None = None,
 ) -> tuple[list[list[int]], list[list[float]]]:
     """Sample one completion per prompt; return the completion ids (up to and including the first EOS) and, for
     each sampled token, its log-prob under the distribution it was sampled from.
@@ -37,7 +51,9 @@ def generate_with_behavior_logprobs(
     applied), i.e. exactly the behaviour policy. TRL's own HF-generate path returns no log-probs, hence this
     function. The scores of all steps are held until the end of generation (B x T x V floats): fine for the
     in-process backend's batch sizes; large-vocabulary, long-generation runs belong on a vLLM server. Once `stop` is
-    set, generation ends at the next token (the caller discards the incomplete result).
+    set, generation ends at the next token (the caller discards the incomplete result). `synced_gpus` is `generate`'s
+    (None: its default, True under ZeRO-3 / FSDP with several processes, where every process must step together);
+    a private snapshot passes False, since it is whole and must never enter a collective.
     """
     device = model.device
     input_ids, attention_mask = left_pad(prompt_ids, pad_token_id)
@@ -53,6 +69,7 @@ def generate_with_behavior_logprobs(
         attention_mask=attention_mask.to(device),
         generation_config=generation_config,
         stopping_criteria=StoppingCriteriaList([_StopWhenSet(stop)]) if stop is not None else None,
+        synced_gpus=synced_gpus,
     )
     completion = out.sequences[:, width:]
     num_steps = min(len(out.scores), completion.size(1))
@@ -113,7 +130,10 @@ class InProcessBackend:
     def generate(self, prompt_ids: list[list[int]], stop: threading.Event):
         with torch.no_grad():
             return generate_with_behavior_logprobs(
-                self.snapshot, prompt_ids, self.generation_config, self.pad_token_id, self.eos_token_ids, stop=stop
+                self.snapshot, prompt_ids, self.generation_config, self.pad_token_id, self.eos_token_ids, stop=stop,
+                # The snapshot is whole and private: `generate`'s default under ZeRO-3 / FSDP (synced_gpus=True) would
+                # run an all_reduce per token from this thread, colliding with the trainer's collectives.
+                synced_gpus=False,
             )
 
     def close(self) -> None:
