@@ -83,6 +83,16 @@ def digit_reward(completions, **kwargs):
     return [sum(ch.isdigit() for ch in c) / max(len(c), 1) for c in completions]
 
 
+def require_deepspeed():
+    """DeepSpeed comes with the test set-up (`scripts/setup.sh --with-vllm`); CI (A3PO_REQUIRE_VLLM) must have it."""
+    import importlib.util
+
+    if importlib.util.find_spec("deepspeed") is None:
+        if os.environ.get("A3PO_REQUIRE_VLLM"):
+            pytest.fail("A3PO_REQUIRE_VLLM is set but DeepSpeed is not installed (scripts/setup.sh --with-vllm)")
+        pytest.skip("DeepSpeed is not installed (scripts/setup.sh --with-vllm installs it)")
+
+
 @pytest.fixture(scope="session")
 def synchronous_shards(tmp_path_factory):
     """The prompts each of two processes trains synchronously (in-process generation, DDP over gloo)."""

@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from conftest import require_deepspeed
+
 SCRIPT = Path(__file__).resolve().parent / "scripts" / "two_process_run.py"
 
 
@@ -60,6 +62,7 @@ def test_two_process_async_run_follows_the_synchronous_shards(tmp_path, synchron
 def test_two_processes_under_deepspeed_zero3_train_async_in_process(tmp_path, synchronous_shards):
     # Real DeepSpeed ZeRO-3 (CPU, gloo): the parameters are partitioned, each process's generator snapshot is built
     # whole (never partitioned, never in a collective), and every sample matches its recorded version (1e-5).
+    require_deepspeed()
     ranks = launch(tmp_path, "zero3")
     check_ranks_follow_the_synchronous_shards(synchronous_shards, ranks)
     for rank in range(2):

@@ -326,8 +326,10 @@ def test_a_failure_during_training_ends_train_fast_with_no_thread_left(tmp_path,
     assert not [t for t in threading.enumerate() if t.name == "a3po-producer"]
 
 
-@pytest.mark.parametrize("case", ["tools", "iterable", "grpo_config"])
+@pytest.mark.parametrize("case", ["tools", "iterable", "grpo_config", "dora", "ia3", "lora_bias", "images"])
 def test_unsupported_inputs_are_refused_before_any_model_work(tmp_path, tokenizer, prompt_dataset, monkeypatch, case):
+    from peft import IA3Config, LoraConfig
+
     from trl import GRPOConfig, GRPOTrainer
 
     def trl_init(*args, **kwargs):
@@ -342,11 +344,27 @@ def test_unsupported_inputs_are_refused_before_any_model_work(tmp_path, tokenize
     elif case == "iterable":
         kwargs["train_dataset"] = prompt_dataset.to_iterable_dataset()
         error, pattern = ValueError, r"needs a map-style train_dataset .* or set async_generation=False"
+    elif case == "dora":  # adapters the merged export cannot reproduce: the generator would run another policy
+        kwargs["peft_config"] = LoraConfig(r=4, target_modules=["q_proj"], use_dora=True)
+        error, pattern = ValueError, r"cannot represent LoRA with use_dora=True .* or set async_generation=False"
+    elif case == "ia3":
+        kwargs["peft_config"] = IA3Config(target_modules=["q_proj"], feedforward_modules=[])
+        error, pattern = ValueError, r"cannot represent a IA3Config adapter"
+    elif case == "lora_bias":
+        kwargs["peft_config"] = LoraConfig(r=4, target_modules=["q_proj"], lora_bias=True)
+        error, pattern = ValueError, r"cannot represent LoRA with lora_bias=True"
+    elif case == "images":  # the decoupled loss would drop pixel inputs from the loss and the proximal forward
+        kwargs["train_dataset"] = prompt_dataset.add_column("image", [None] * len(prompt_dataset))
+        error, pattern = ValueError, r"decoupled loss is text-only: the image inputs of this dataset \(its \['image'\]"
     else:
         kwargs["args"] = GRPOConfig(output_dir=str(tmp_path), report_to="none", use_cpu=True)
         error, pattern = TypeError, r"A3POTrainer needs an A3POConfig as `args`, got GRPOConfig"
     with pytest.raises(error, match=pattern):
         A3POTrainer(**kwargs)
+    if case in ("dora", "ia3", "lora_bias"):  # synchronous generation runs the live PEFT model: TRL's business
+        kwargs["args"] = A3POConfig(output_dir=str(tmp_path), async_generation=False, **COMMON)
+        with pytest.raises(AssertionError, match="GRPOTrainer.__init__ ran"):
+            A3POTrainer(**kwargs)
 
 
 def test_coupled_grpo_on_the_producer_at_max_staleness_0_is_synchronous(tmp_path, tokenizer, prompt_dataset):

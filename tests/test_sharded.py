@@ -1,11 +1,13 @@
 """Gathering sharded parameters for the generator, at unit level: FSDP2 over gloo in two CPU processes (Accelerate
-runs FSDP only on accelerators, so A3POTrainer itself cannot be launched with FSDP here), and the ZeRO-3 path through
-TRL's `gather_params` (DeepSpeed is not installed here)."""
+runs FSDP only on accelerators, so A3POTrainer itself cannot be launched with FSDP here). ZeRO-3 runs for real, under
+DeepSpeed on two CPU processes: tests/test_accelerate.py and tests/test_vllm_server.py."""
 
 import contextlib
 import json
 import os
 import socket
+import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,6 +18,8 @@ from test_trainer import COMMON
 
 from trl_a3po import A3POConfig, A3POTrainer
 from trl_a3po.trainer import _hf_named_tensors
+
+REPO = Path(__file__).resolve().parent.parent
 
 
 def _fsdp2_gather(rank, world, port, out_dir):
@@ -50,6 +54,60 @@ def _fsdp2_gather(rank, world, port, out_dir):
         dist.destroy_process_group()
 
 
+def _fsdp2_greedy_eval(rank, world, port, out_dir):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        from types import SimpleNamespace
+
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        from trl_a3po import GreedyEvalCallback, load_gsm8k
+        from trl_a3po.evaluation import _render, generate_greedy_hf
+
+        tokenizer = make_tokenizer()
+        whole, model = make_model(tokenizer), make_model(tokenizer)  # seeded: equal weights
+        dataset = load_gsm8k(os.path.join(REPO, "recipes", "data", "gsm8k"), "test", limit=4)
+        expected = generate_greedy_hf(whole, tokenizer, _render(tokenizer, dataset["prompt"]), 6)
+        mesh = init_device_mesh("cpu", (world,))
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        # What the recipe's callback does at an evaluation step, with FSDP2's sharded model as the trainer's
+        callback = GreedyEvalCallback(dataset, tokenizer, every_steps=1, batch_size=2, max_new_tokens=6)
+        callback.trainer = SimpleNamespace(
+            _dist=SimpleNamespace(is_zero3=False, is_fsdp=True),
+            accelerator=SimpleNamespace(is_main_process=rank == 0, wait_for_everyone=dist.barrier),
+        )
+        callback._model_for_generation = lambda sharded: contextlib.nullcontext(model)
+        accuracy = callback._evaluate()
+        texts = generate_greedy_hf(model, tokenizer, _render(tokenizer, dataset["prompt"]), 6, synced_gpus=True)
+        with open(os.path.join(out_dir, f"eval{rank}.json"), "w") as f:
+            json.dump({"accuracy": accuracy, "texts_equal": texts == expected}, f)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_greedy_evaluation_runs_on_fsdp2_shards_in_every_process(tmp_path):
+    # Evaluating on the main process alone hung under sharding: its forwards gather shards, a collective the other
+    # processes never joined. Every process now generates, in step; a hang fails the test by its timeout.
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    context = mp.spawn(_fsdp2_greedy_eval, args=(2, port, str(tmp_path)), nprocs=2, join=False)
+    deadline = time.monotonic() + 120
+    while not context.join(timeout=1):
+        if time.monotonic() > deadline:
+            for process in context.processes:
+                process.kill()
+            pytest.fail("the greedy evaluation hung under FSDP2")
+    reports = [json.loads((tmp_path / f"eval{rank}.json").read_text()) for rank in range(2)]
+    assert reports[0]["accuracy"] == 0.0 and reports[1]["accuracy"] is None  # the main process reports it
+    assert reports[0]["texts_equal"] and reports[1]["texts_equal"]  # sharded greedy text == the whole model's
+
+
 def test_fsdp2_shards_are_gathered_into_the_full_weights(tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -60,36 +118,6 @@ def test_fsdp2_shards_are_gathered_into_the_full_weights(tmp_path):
         assert report["sharded"] > 0 and report["local_fraction"] == pytest.approx(0.5, abs=0.05)
         assert report["names_equal"] and report["plain_tensors"]
         assert report["max_diff"] == 0.0  # every process holds the whole, exact weights
-
-
-def test_zero3_weights_are_read_inside_trls_gather(tmp_path, tokenizer, prompt_dataset):
-    # Under ZeRO-3 the parameters are empty outside DeepSpeed's GatheredParameters: the policy tensors must be read
-    # (and staged) inside TRL's `gather_params`, over every parameter.
-    args = A3POConfig(output_dir=str(tmp_path), **COMMON)
-    trainer = A3POTrainer(model=make_model(tokenizer), reward_funcs=digit_reward, args=args,
-                          train_dataset=prompt_dataset, processing_class=tokenizer)
-    full = {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
-    params = list(trainer.model.parameters())
-    for p in params:  # what ZeRO-3 leaves outside a gather
-        p.data = torch.empty(0)
-    entered = []
-
-    @contextlib.contextmanager
-    def gather_params(gathered):
-        entered.append(len(gathered))
-        for name, p in trainer.model.named_parameters():
-            p.data = full[name]
-        yield
-        for p in params:
-            p.data = torch.empty(0)
-
-    trainer._dist.zero_stage = 3
-    trainer._dist.gather_params = gather_params
-    with trainer._full_policy_tensors() as tensors:
-        staged = {name: t.clone() for name, t in tensors.items()}
-    assert entered == [len(params)]
-    for name, tensor in full.items():
-        assert torch.equal(staged[name], tensor), name
 
 
 def test_peft_on_sharded_parameters_is_refused_before_the_model_is_loaded(tmp_path, tokenizer, prompt_dataset,

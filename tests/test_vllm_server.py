@@ -1,20 +1,22 @@
 """The vLLM server backend against a real `vllm serve` (CPU build), started by the fixture on loopback."""
 
 import os
+import shutil
 import socket
+import tempfile
 import threading
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import digit_reward, make_tokenizer
+from conftest import digit_reward, make_tokenizer, require_deepspeed
 from test_async import VersionRecorder, check_behaviour_logprobs_against_versions, record_trained_samples
 from test_accelerate import check_ranks_follow_the_synchronous_shards, launch
 from test_trainer import COMMON, logged
 from transformers import AutoModelForCausalLM, Qwen2Config
 
 from trl_a3po import A3POConfig, A3POTrainer
-from trl_a3po.rollout.vllm_server import VLLMServerBackend, local_vllm_server
+from trl_a3po.rollout.vllm_server import VLLMServerBackend, VLLMServerSetupError, local_vllm_server
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -52,9 +54,14 @@ def vllm_server(tmp_path_factory):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
+    # The NCCL weight-transfer engine is configured (the probe checks it for the nccl transport's stand-in test);
+    # it is only opened by /init_weight_transfer_engine, which no test here calls.
     with local_vllm_server(python, str(model_dir), port, str(root), max_model_len=512, timeout_s=300,
-                           env={"HF_HUB_OFFLINE": "1"}):
+                           env={"HF_HUB_OFFLINE": "1"}, extra_args=NCCL_SERVER_ARGS):
         yield {"port": port, "model_dir": model_dir, "tokenizer": tokenizer, "log": root / "server.log"}
+
+
+NCCL_SERVER_ARGS = ("--weight-transfer-config", '{"backend": "nccl"}')
 
 
 def make_trainer(tmp_path, server, prompt_dataset, **kwargs):
@@ -150,6 +157,8 @@ def test_two_processes_share_one_server_with_one_push_per_version(tmp_path, vllm
     # and generates every rank's share; each rank trains exactly its synchronous share. With LoRA, the server gets
     # the merged weights of each version. Under real DeepSpeed ZeRO-3 (CPU, gloo) every process enters the gather at
     # each version and the main process pushes the whole weights.
+    if mode == "vllm-zero3":
+        require_deepspeed()
     sync = synchronous_shards
     before = weight_pushes_logged(vllm_server)
     ranks = launch(tmp_path, mode, vllm_server["port"], vllm_server["model_dir"])
@@ -164,11 +173,38 @@ def test_two_processes_share_one_server_with_one_push_per_version(tmp_path, vllm
         assert ranks[0]["partitioned_fraction"] == ranks[1]["partitioned_fraction"] == 0.5
 
 
-def test_nccl_transport_has_one_communicator_and_one_push_per_version(tmp_path, vllm_server):
-    # NCCL needs GPUs: TRL's client is replaced by a recorder; generation still runs on the real server.
+def test_nccl_transport_has_one_communicator_and_one_packed_push_per_version(tmp_path, vllm_server):
+    # NCCL needs GPUs: TRL's client is replaced by a recorder; generation and the start-up probe run on the real
+    # server (started with the weight-transfer flag the probe checks).
     ranks = launch(tmp_path, "vllm-nccl-standin", vllm_server["port"], vllm_server["model_dir"])
     main, other = ranks[0]["client_calls"], ranks[1]["client_calls"]
     versions = set(ranks[0]["behaviour_versions"]) | set(ranks[1]["behaviour_versions"])
     assert main["init_communicator"] == 1 and main["close_communicator"] == 1
-    assert main["pushes"] == main["reset_prefix_cache"] == len(versions) >= 2
+    assert ranks[0]["group_ports"] == [51277]  # GRPOConfig's vllm_group_port reaches TRL's client
+    # one packed update per version the generator used, each with every tensor once (the tied lm_head not sent)
+    assert main["weight_updates"] == main["update_named_params"] == main["reset_prefix_cache"] == len(versions) >= 2
+    for names in ranks[0]["client_updates"]:
+        assert sorted(names) == ranks[0]["parameter_names"] and "lm_head.weight" not in names
     assert other == {key: 0 for key in other}  # the other rank never talks to the server's weights
+
+
+def test_a_real_server_without_dev_mode_is_refused_before_the_first_step(tmp_path, vllm_server, prompt_dataset):
+    # The README's server command once lacked VLLM_SERVER_DEV_MODE=1: the probe refuses such a server at the first
+    # generation batch, naming the variable and the command, before any optimizer step or weight push.
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    # a short work folder: vLLM's engine sockets live there, and a socket path may have at most 107 characters
+    workdir = Path(tempfile.mkdtemp(prefix="vllm-", dir="/tmp"))
+    with local_vllm_server(vllm_python(), str(vllm_server["model_dir"]), port, str(workdir), max_model_len=512,
+                           timeout_s=300, env={"HF_HUB_OFFLINE": "1"}, dev_mode=False):
+        trainer = make_trainer(tmp_path, {**vllm_server, "port": port}, prompt_dataset, max_steps=2,
+                               weight_sync_transport="disk")
+        with pytest.raises(VLLMServerSetupError, match=r"started without VLLM_SERVER_DEV_MODE=1.*Restart it with "
+                                                       r"VLLM_SERVER_DEV_MODE=1 in its environment"):
+            trainer.train()
+        assert trainer.state.global_step == 0
+        log = (workdir / "server.log").read_text()
+    shutil.rmtree(workdir, ignore_errors=True)
+    assert '"GET /server_info?config_format=json HTTP/1.1" 404' in log
+    assert "POST /collective_rpc" not in log and "POST /v1/completions" not in log

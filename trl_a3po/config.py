@@ -125,7 +125,8 @@ class A3POConfig(GRPOConfig):
         metadata={
             "help": "Who generates in asynchronous mode. `inprocess`: a snapshot of the policy in a background "
             "thread (CPU, one GPU). `vllm_server`: a running vLLM server (`vllm serve`) at vllm_server_base_url or "
-            "vllm_server_host:vllm_server_port, with weights pushed by `weight_sync_transport`.",
+            "vllm_server_host:vllm_server_port, with weights pushed by `weight_sync_transport`; a server that sends "
+            "nothing for vllm_server_timeout seconds, or reports an error, stops training with its message.",
             "choices": list(ROLLOUT_BACKENDS),
         },
     )
@@ -136,10 +137,13 @@ class A3POConfig(GRPOConfig):
     weight_sync_transport: str = field(
         default="auto",
         metadata={
-            "help": "How new weights reach a vLLM server. `disk`: safetensors in `weight_sync_dir`, then the server "
-            "reloads them (needs VLLM_SERVER_DEV_MODE=1 on the server; works on CPU and across nodes with a shared "
-            "file system). `nccl`: TRL's collective weight transfer (GPU, `trl vllm-serve`). `auto`: nccl where "
-            "CUDA is available, else disk.",
+            "help": "How new weights reach a vLLM server, which must run with VLLM_SERVER_DEV_MODE=1 and "
+            "`--logprobs-mode processed_logprobs` for both (checked at start-up). `disk`: safetensors in "
+            "`weight_sync_dir`, then the server reloads them (CPU, or nodes sharing a file system). `nccl`: one "
+            "packed NCCL broadcast per version through TRL's VLLMClient (GPU; the server also needs "
+            "`--weight-transfer-config '{\"backend\": \"nccl\"}'`, the trainer the server's vLLM release: "
+            "`pip install trl-a3po[vllm]`; vllm_group_port is the NCCL group's port). `auto`: nccl where CUDA is "
+            "available, else disk.",
             "choices": list(WEIGHT_SYNC_TRANSPORTS),
         },
     )

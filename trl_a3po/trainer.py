@@ -58,6 +58,34 @@ _PEFT_ON_SHARDS = (
 )
 
 
+def _refuse_multimodal_with_the_decoupled_loss(given: dict) -> None:
+    dataset = given.get("train_dataset")
+    columns = set(getattr(dataset, "column_names", None) or [])
+    if columns & {"image", "images"}:
+        raise ValueError(
+            "A3POTrainer's decoupled loss is text-only: the image inputs of this dataset (its "
+            f"{sorted(columns & {'image', 'images'})} column) would be dropped from the loss and the proximal forward, "
+            "training a different policy than the one that generated. Set use_decoupled_loss=False (GRPOTrainer's "
+            "own loss) for vision-language models, or drop the image column."
+        )
+
+
+def _adapter_the_generator_cannot_run(peft_config) -> str | None:
+    """What of a PEFT config the generator's merged export (W + scale * B @ A, PEFT's own `get_delta_weight`) would not
+    reproduce, named; None when every adapter is a plain LoRA."""
+    from peft import LoraConfig
+
+    configs = peft_config.values() if isinstance(peft_config, dict) else [peft_config]
+    for config in configs:
+        if not isinstance(config, LoraConfig):
+            return f"a {type(config).__name__} adapter (only LoRA's delta can be merged into the generator's weights)"
+        if config.use_dora:
+            return "LoRA with use_dora=True (DoRA rescales by a magnitude vector that is not part of the LoRA delta)"
+        if getattr(config, "lora_bias", False):
+            return "LoRA with lora_bias=True (the bias delta is not part of the LoRA weight delta)"
+    return None
+
+
 def _refuse_unsupported_async(config: A3POConfig, given: dict) -> None:
     """What asynchronous generation cannot do, named with the fields to change; `given` is GRPOTrainer's arguments."""
     if given.get("tools") or given.get("rollout_func") is not None or given.get("environment_factory") is not None:
@@ -77,8 +105,18 @@ def _refuse_unsupported_async(config: A3POConfig, given: dict) -> None:
         or bool(config.fsdp)
         or os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE") == "3"
     )
-    if sharded and (given.get("peft_config") is not None or is_peft_model(given.get("model"))):
+    model = given.get("model")
+    peft_model = isinstance(model, torch.nn.Module) and is_peft_model(model)  # not a name or path: already loaded
+    if sharded and (given.get("peft_config") is not None or peft_model):
         raise ValueError(_PEFT_ON_SHARDS)
+    peft_config = given.get("peft_config") or (model.peft_config if peft_model else None)
+    unservable = _adapter_the_generator_cannot_run(peft_config) if peft_config is not None else None
+    if unservable:
+        raise ValueError(
+            f"async_generation=True generates with the policy's merged weights, which cannot represent {unservable}: "
+            "the generator would run a different policy than the one trained. Use a plain LoRA adapter, or set "
+            "async_generation=False."
+        )
 
 
 class _ResumeAlignmentCallback(TrainerCallback):
@@ -138,6 +176,8 @@ class A3POTrainer(GRPOTrainer):
             raise TypeError(f"A3POTrainer needs an A3POConfig as `args`, got {type(config).__name__}.")
         if config.async_generation:
             _refuse_unsupported_async(config, given)
+        if config.use_decoupled_loss:
+            _refuse_multimodal_with_the_decoupled_loss(given)
         super().__init__(*args, **kwargs)
         self._prox_timer = _ProxTimer(self.accelerator.device)  # the paper's Figure 1 metric
         self._train_start = time.perf_counter()

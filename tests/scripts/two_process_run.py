@@ -32,12 +32,15 @@ def recorded_reward(prompts, completions, **kwargs):
 
 
 class RecordingClient:
-    """Stands in for trl.generation.vllm_client.VLLMClient: records the calls NCCLTransport makes."""
+    """Stands in for trl.generation.vllm_client.VLLMClient: records the calls NCCLTransport makes, and the names of
+    the tensors each packed update carries."""
 
-    calls = {"init_communicator": 0, "pushes": 0, "tensors": 0, "reset_prefix_cache": 0, "close_communicator": 0}
+    calls = {"init_communicator": 0, "weight_updates": 0, "update_named_params": 0, "reset_prefix_cache": 0,
+             "close_communicator": 0}
+    group_ports, updates = [], []
 
-    def __init__(self, base_url, connection_timeout):
-        pass
+    def __init__(self, base_url, group_port, connection_timeout):
+        self.group_ports.append(group_port)
 
     def init_communicator(self, device):
         self.calls["init_communicator"] += 1
@@ -45,11 +48,12 @@ class RecordingClient:
     def weight_update(self):
         import contextlib
 
-        self.calls["pushes"] += 1
+        self.calls["weight_updates"] += 1
         return contextlib.nullcontext()
 
-    def update_named_param(self, name, tensor):
-        self.calls["tensors"] += 1
+    def update_named_params(self, metadata, named_params):
+        self.calls["update_named_params"] += 1
+        self.updates.append([name for name, _ in named_params])
 
     def reset_prefix_cache(self):
         self.calls["reset_prefix_cache"] += 1
@@ -73,8 +77,12 @@ if mode.startswith("vllm"):
     if mode == "vllm-nccl-standin":
         import trl.generation.vllm_client
 
+        import trl_a3po.rollout.vllm_server as vllm_server
+
         trl.generation.vllm_client.VLLMClient = RecordingClient
         torch.cuda.current_device = lambda: 0  # what NCCLTransport asks for; no GPU here
+        vllm_server.trainer_vllm_version = lambda: "0.31.0"  # the server's release, as the trainer side would have
+        server["vllm_group_port"] = 51277
 else:
     model = make_model(tokenizer)
 args = A3POConfig(
@@ -111,6 +119,8 @@ staleness = [h["a3po/staleness/max"] for h in trainer.state.log_history if "a3po
         "world": trainer.accelerator.num_processes, "checked": checked,
         "behaviour_versions": sorted({int(v) for s in samples for v in s["behavior_version"]}),
         "client_calls": RecordingClient.calls, "partitioned_fraction": partitioned_fraction,
+        "client_updates": RecordingClient.updates, "group_ports": RecordingClient.group_ports,
+        "parameter_names": sorted(name for name, _ in trainer.model.named_parameters()),
     })
 )
 # A clean exit: every rank done, then the process group torn down (gloo's threads otherwise race interpreter

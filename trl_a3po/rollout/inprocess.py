@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import threading
 import time
 
 import torch
 from transformers import GenerationConfig, PreTrainedModel, StoppingCriteria, StoppingCriteriaList
+
+from .staging import StagedWeights, stage_copy, wait_until_staged
 
 
 
@@ -99,6 +102,11 @@ class InProcessBackend:
     forward TRL patches). `stage` (trainer's main thread) copies a published version's weights to the snapshot's
     device; `load` (producer thread, between generations) copies them into the snapshot. LoRA policies arrive
     already merged (the trainer merges), so generation runs at full-model speed.
+
+    On a GPU the producer thread works on the snapshot's device and on a CUDA stream of its own, so generation
+    kernels overlap the trainer's (which run on the default stream) instead of queueing behind them; `load` waits for
+    the staging copy's event. What cannot overlap: the two threads share the GIL, so kernel launches interleave, and
+    staging (a device-to-device copy on the trainer's stream) takes the trainer's time.
     """
 
     def __init__(self, snapshot: PreTrainedModel, generation_config: GenerationConfig, pad_token_id: int,
@@ -109,26 +117,37 @@ class InProcessBackend:
         self.eos_token_ids = eos_token_ids
         params = self.snapshot.state_dict()
         self._device = next(iter(params.values())).device
+        self._stream = torch.cuda.Stream(self._device) if self._device.type == "cuda" else None
         # A tied lm_head shares the embedding's storage: loading the embedding loads it.
         self._names = [name for name in params if not _is_tied(self.snapshot, name)]
 
-    def stage(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    @contextlib.contextmanager
+    def _on_generator_stream(self):
+        if self._stream is None:
+            yield
+            return
+        with torch.cuda.device(self._device), torch.cuda.stream(self._stream):
+            yield
+
+    def stage(self, tensors: dict[str, torch.Tensor]) -> StagedWeights:
         missing = [name for name in self._names if name not in tensors]
         if missing:
             raise KeyError(f"the policy's weights lack {missing[:5]} (of {len(missing)}) for the snapshot")
-        with torch.no_grad():
-            return {name: tensors[name].detach().to(self._device, copy=True) for name in self._names}
+        return stage_copy({name: tensors[name] for name in self._names},
+                          lambda tensor: tensor.to(self._device, copy=True))
 
-    def load(self, tensors: dict[str, torch.Tensor]) -> float:
+    def load(self, staged: StagedWeights) -> float:
         start = time.perf_counter()
         params = self.snapshot.state_dict()
-        with torch.no_grad():
-            for name, tensor in tensors.items():
+        with self._on_generator_stream(), torch.no_grad():
+            wait_until_staged(staged)
+            for name, tensor in staged.tensors.items():
                 params[name].copy_(tensor)
         return time.perf_counter() - start
 
     def generate(self, prompt_ids: list[list[int]], stop: threading.Event):
-        with torch.no_grad():
+        with self._on_generator_stream(), torch.no_grad():
+            # The results are copied to the CPU at the end, which waits for this stream's work.
             return generate_with_behavior_logprobs(
                 self.snapshot, prompt_ids, self.generation_config, self.pad_token_id, self.eos_token_ids, stop=stop,
                 # The snapshot is whole and private: `generate`'s default under ZeRO-3 / FSDP (synced_gpus=True) would

@@ -112,6 +112,7 @@ class GenerationQueue:
         self._next_submit: int | None = None
         self._next_get: int | None = None
         self._error: BaseException | None = None
+        self._doing = "starting"  # producer thread: what it is doing, for the failure's message
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
@@ -162,7 +163,7 @@ class GenerationQueue:
 
     def raise_if_failed(self) -> None:
         if self._error is not None:
-            raise ProducerError(f"the generation producer failed: {self._error!r}") from self._error
+            raise ProducerError(f"the generation producer failed while {self._doing}: {self._error!r}") from self._error
 
     @property
     def depth(self) -> int:
@@ -191,6 +192,7 @@ class GenerationQueue:
                     return
                 idle_s = time.perf_counter() - idle_start
                 sync_s = self._load_weights_for(request.min_version)
+                self._doing = f"generating batch {request.index} with version {self._held_version}"
                 start = time.perf_counter()
                 completion_ids, logprobs = self._backend.generate(request.prompt_ids, self._stop)
                 if self._stop.is_set():
@@ -207,6 +209,7 @@ class GenerationQueue:
             version, tensors = self._published  # submit() guarantees a published version >= min_version
         if self._held_version >= min_version and version - self._held_version < self._sync_every:
             return 0.0
+        self._doing = f"loading version {version}"
         seconds = self._backend.load(tensors)
         self._held_version = version
         return seconds

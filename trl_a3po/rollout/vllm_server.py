@@ -12,6 +12,7 @@ it generates every process's share (see A3POTrainer), so the server's weights ha
 from __future__ import annotations
 
 import contextlib
+import importlib.metadata
 import json
 import os
 import signal
@@ -23,44 +24,80 @@ from urllib.parse import urlparse
 import requests
 import torch
 
+from .staging import StagedWeights, stage_copy, wait_until_staged
+
+
+# What a server must be started with: the shape of every command in the README and recipes, which the start-up
+# probe checks flag for flag. Dev mode exposes /collective_rpc (any method on the server's workers), so the server
+# binds to loopback unless a trusted interface is named (README "Multi-GPU", several nodes).
+SERVER_COMMAND = ("VLLM_SERVER_DEV_MODE=1 vllm serve MODEL --host 127.0.0.1 --port {port} "
+                  "--logprobs-mode processed_logprobs{extra}")
+NCCL_FLAG = """ --weight-transfer-config '{"backend": "nccl"}'"""
+# TRL's VLLMClient picks the wire format of the packed NCCL update from the *trainer's* vLLM: from 0.28 `packed` goes
+# in the init info, before it in each update's; a server of the other side rejects the field it does not know.
+_NCCL_WIRE_CHANGE = (0, 28)
 
 
 class VLLMServerUnreachable(ConnectionError):
     pass
 
 
+class VLLMServerError(RuntimeError):
+    """The server refused a request, reported a failure, stalled, or broke the protocol; the message says which."""
+
+
+class VLLMServerSetupError(RuntimeError):
+    """The server (or the trainer's environment) lacks what the chosen weight transport needs."""
+
+
+def trainer_vllm_version() -> str | None:
+    """The vLLM release installed beside the trainer (TRL's NCCL client needs it), or None."""
+    try:
+        return importlib.metadata.version("vllm")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _version_tuple(version: str) -> tuple[int, int]:
+    major, minor = version.split(".")[:2]
+    return int(major), int("".join(ch for ch in minor if ch.isdigit()) or 0)
+
+
 class VLLMServerBackend:
     """Completions from a vLLM server for the producer; `load` pushes a published version's weights to the server.
 
+    Start-up: `/health`, then a probe of what the transport needs (dev-mode routes, processed log-probs, the
+    weight-transfer engine and the trainer's vLLM version for `nccl`), raising one `VLLMServerSetupError` that names
+    the missing flag and the command; only then does the transport connect (NCCL's communicator).
+
     The producer calls `load` and `generate` one after the other, so no request is mid-generation during a push and
     every sample has exactly one behaviour version. Requests stream their tokens, so `close()` can abandon a
-    generation at its next token instead of waiting for the whole batch.
+    generation at its next token. A server that sends nothing for `timeout_s` seconds (GRPOConfig's
+    `vllm_server_timeout`), an error event inside the stream, or a row that ends without a normal `finish_reason`
+    raises `VLLMServerError` with the server's message: nothing truncated is ever trained.
     """
 
-    def __init__(
-        self,
-        base_url: str,
-        transport,
-        sampling: dict,
-        request_timeout_s: float = 3600.0,
-        connect_timeout_s: float = 5.0,
-    ):
+    def __init__(self, base_url: str, transport, sampling: dict, timeout_s: float = 240.0,
+                 connect_timeout_s: float = 5.0):
         self.base_url = base_url.rstrip("/")
+        parsed = urlparse(self.base_url)
+        self.where = f"{parsed.hostname}:{parsed.port}"
         self.transport = transport
         self.sampling = sampling
-        self.request_timeout_s = request_timeout_s
+        self.timeout = (connect_timeout_s, timeout_s)  # requests: (connect, longest silence while reading)
         self.session = requests.Session()  # no retries: an unreachable server must fail fast, not back off
         try:
             response = self.session.get(f"{self.base_url}/health", timeout=connect_timeout_s)
             response.raise_for_status()
-            self.model = self._get("/v1/models")["data"][0]["id"]
         except requests.RequestException as error:
-            parsed = urlparse(self.base_url)
             raise VLLMServerUnreachable(
-                f"The vLLM server at {parsed.hostname}:{parsed.port} is unreachable ({error.__class__.__name__}). "
-                "Start it first (README: 'vLLM server'), or check vllm_server_host / vllm_server_port / "
+                f"The vLLM server at {self.where} is unreachable ({error.__class__.__name__}). Start it first "
+                f"(README: 'vLLM server'): {self.server_command()}; or check vllm_server_host / vllm_server_port / "
                 "vllm_server_base_url."
             ) from error
+        self.model = self._request("reading the model list", "GET", "/v1/models")["data"][0]["id"]
+        self._probe()
+        self.transport.connect(self)
 
     @classmethod
     def from_config(cls, args, eos_token_ids: list[int]) -> VLLMServerBackend:
@@ -71,7 +108,7 @@ class VLLMServerBackend:
         if transport_name == "disk":
             transport = DiskTransport(args.weight_sync_dir or os.path.join(args.output_dir, "weight_sync"))
         else:
-            transport = NCCLTransport(base_url)
+            transport = NCCLTransport(group_port=args.vllm_group_port, timeout_s=args.vllm_server_timeout)
         sampling = {
             "max_tokens": args.max_completion_length,
             "temperature": args.temperature,
@@ -82,30 +119,75 @@ class VLLMServerBackend:
             "stop_token_ids": eos_token_ids,
             **(args.generation_kwargs or {}),
         }
-        return cls(base_url, transport, sampling)
+        return cls(base_url, transport, sampling, timeout_s=args.vllm_server_timeout)
+
+    def server_command(self) -> str:
+        return SERVER_COMMAND.format(port=urlparse(self.base_url).port,
+                                     extra=NCCL_FLAG if self.transport.name == "nccl" else "")
 
     # -------------------------------------------------------------- HTTP
 
-    def _get(self, path: str) -> dict:
-        response = self.session.get(f"{self.base_url}{path}", timeout=self.request_timeout_s)
-        response.raise_for_status()
-        return response.json()
-
-    def post(self, path: str, payload: dict | None = None) -> dict:
-        response = self.session.post(f"{self.base_url}{path}", json=payload, timeout=self.request_timeout_s)
+    def _request(self, doing: str, method: str, path: str, **kwargs) -> dict:
+        """One request; any failure becomes a `VLLMServerError` naming the server and what was being done."""
+        try:
+            response = self.session.request(method, f"{self.base_url}{path}", timeout=self.timeout, **kwargs)
+        except requests.RequestException as error:
+            raise self._http_error(doing, error) from error
         if response.status_code != 200:
-            raise RuntimeError(f"vLLM server {path} failed: {response.status_code} {response.text[:500]}")
-        return response.json()
+            raise VLLMServerError(f"The vLLM server at {self.where} failed while {doing}: {method} {path} answered "
+                                  f"{response.status_code} {response.text[:500]}")
+        return response.json() if response.content else {}  # some routes answer an empty body (vLLM < 0.26)
+
+    def post(self, path: str, payload: dict | None = None, doing: str | None = None) -> dict:
+        return self._request(doing or f"calling {path}", "POST", path, json=payload)
+
+    def _http_error(self, doing: str, error: Exception) -> VLLMServerError:
+        if isinstance(error, requests.Timeout) or "timed out" in str(error).lower():
+            return VLLMServerError(
+                f"The vLLM server at {self.where} sent nothing for {self.timeout[1]:.0f} s while {doing} "
+                "(vllm_server_timeout): it is stalled or overloaded. Check its log; raise vllm_server_timeout if a "
+                "single step legitimately takes longer."
+            )
+        return VLLMServerError(f"The vLLM server at {self.where} went away while {doing} "
+                               f"({error.__class__.__name__}: {error}).")
+
+    def _probe(self) -> None:
+        """Check, before any weight is pushed, that the server was started the way this backend needs."""
+        response = None
+        try:
+            response = self.session.get(f"{self.base_url}/server_info", params={"config_format": "json"},
+                                        timeout=self.timeout)
+        except requests.RequestException as error:
+            raise self._http_error("probing /server_info", error) from error
+        if response.status_code == 404:
+            raise VLLMServerSetupError(
+                f"The vLLM server at {self.where} was started without VLLM_SERVER_DEV_MODE=1: its development routes "
+                f"({self.transport.needs}) answer 404, and the {self.transport.name} weight transfer needs them. "
+                f"Restart it with VLLM_SERVER_DEV_MODE=1 in its environment: {self.server_command()}"
+            )
+        if response.status_code != 200:
+            raise VLLMServerError(f"The vLLM server at {self.where} failed /server_info: {response.status_code} "
+                                  f"{response.text[:500]}")
+        config = response.json()["vllm_config"]
+        logprobs_mode = (config.get("model_config") or {}).get("logprobs_mode")
+        if logprobs_mode != "processed_logprobs":
+            raise VLLMServerSetupError(
+                f"The vLLM server at {self.where} returns {logprobs_mode!r} log-probs; the behaviour policy is the "
+                "distribution it samples from (temperature, top-p, top-k applied). Restart it with --logprobs-mode "
+                f"processed_logprobs: {self.server_command()}"
+            )
+        server_version = self._request("reading its version", "GET", "/version").get("version", "unknown")
+        self.transport.check_server(self, config, server_version)
 
     # -------------------------------------------------------------- backend interface
 
-    def stage(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        return {name: self.transport.stage(tensor) for name, tensor in tensors.items()}
+    def stage(self, tensors: dict[str, torch.Tensor]) -> StagedWeights:
+        return self.transport.stage(tensors)
 
-    def load(self, tensors: dict[str, torch.Tensor]) -> float:
+    def load(self, staged: StagedWeights) -> float:
         """Push a staged version to the server; return the seconds it took."""
         start = time.perf_counter()
-        self.transport.push(self, tensors)
+        self.transport.push(self, staged)
         return time.perf_counter() - start
 
     def generate(self, prompt_ids: list[list[int]], stop: threading.Event):
@@ -118,30 +200,52 @@ class VLLMServerBackend:
             "stream": True,
             **self.sampling,
         }
+        doing = f"generating {len(prompt_ids)} completions"
         completion_ids = [[] for _ in prompt_ids]
         logprobs = [[] for _ in prompt_ids]
-        with self.session.post(f"{self.base_url}/v1/completions", json=payload, stream=True,
-                               timeout=self.request_timeout_s) as response:
-            if response.status_code != 200:
-                raise RuntimeError(f"vLLM server /v1/completions failed: {response.status_code} "
-                                   f"{response.text[:500]}")
-            # Server-sent events, one per step and prompt. Closing the response aborts the request on the server.
-            for line in response.iter_lines():
-                if stop.is_set():
-                    break
-                if not line.startswith(b"data: ") or line == b"data: [DONE]":
-                    continue
-                for choice in json.loads(line[len(b"data: "):]).get("choices", []):
-                    row = choice["index"]
-                    completion_ids[row].extend(choice.get("token_ids") or [])
-                    # vLLM writes null for a NaN log-prob; the trainer rejects non-finite values by sample.
-                    logprobs[row].extend(
-                        float("nan") if lp is None else lp for lp in (choice.get("logprobs") or {}).get(
-                            "token_logprobs", [])
-                    )
+        finish_reasons = [None] * len(prompt_ids)
+        try:
+            with self.session.post(f"{self.base_url}/v1/completions", json=payload, stream=True,
+                                   timeout=self.timeout) as response:
+                if response.status_code != 200:
+                    raise VLLMServerError(f"The vLLM server at {self.where} refused /v1/completions: "
+                                          f"{response.status_code} {response.text[:500]}")
+                # Server-sent events, one per step and prompt. Closing the response aborts the request on the server.
+                for line in response.iter_lines():
+                    if stop.is_set():
+                        return completion_ids, logprobs  # abandoned: the caller discards it
+                    if not line.startswith(b"data: ") or line == b"data: [DONE]":
+                        continue
+                    event = json.loads(line[len(b"data: "):])
+                    if "error" in event or event.get("object") == "error":
+                        # An engine failure arrives inside the 200 stream, then [DONE]: never data.
+                        error = event.get("error", event)
+                        message = error.get("message", error) if isinstance(error, dict) else error
+                        raise VLLMServerError(f"The vLLM server at {self.where} failed while {doing}: {message}")
+                    for choice in event.get("choices", []):
+                        row = choice["index"]
+                        completion_ids[row].extend(choice.get("token_ids") or [])
+                        # vLLM writes null for a NaN log-prob; the trainer rejects non-finite values by sample.
+                        logprobs[row].extend(
+                            float("nan") if lp is None else lp
+                            for lp in (choice.get("logprobs") or {}).get("token_logprobs", [])
+                        )
+                        if choice.get("finish_reason") is not None:
+                            finish_reasons[row] = choice["finish_reason"]
+        except requests.RequestException as error:
+            raise self._http_error(doing, error) from error
+        unfinished = [row for row, reason in enumerate(finish_reasons) if reason not in ("stop", "length")]
+        if unfinished:
+            row = unfinished[0]
+            raise VLLMServerError(
+                f"The vLLM server at {self.where} ended {len(unfinished)} of {len(prompt_ids)} completions without "
+                f"finishing them (prompt {row}: finish_reason {finish_reasons[row]!r} after {len(completion_ids[row])} "
+                "tokens); a truncated completion is never trained. Check the server's log."
+            )
         for row, (ids, lps) in enumerate(zip(completion_ids, logprobs)):
-            if len(ids) != len(lps) and not stop.is_set():
-                raise RuntimeError(f"vLLM returned {len(ids)} token ids but {len(lps)} log-probs for prompt {row}")
+            if len(ids) != len(lps):
+                raise VLLMServerError(f"The vLLM server at {self.where} returned {len(ids)} token ids but {len(lps)} "
+                                      f"log-probs for prompt {row}.")
         return completion_ids, logprobs
 
     def close(self) -> None:
@@ -156,55 +260,122 @@ class DiskTransport:
     would keep key/value states computed by the old weights.
     """
 
+    name = "disk"
+    needs = "/collective_rpc, /reset_prefix_cache"
+
     def __init__(self, folder: str):
         self.folder = os.path.abspath(folder)
         os.makedirs(self.folder, exist_ok=True)
 
-    @staticmethod
-    def stage(tensor: torch.Tensor) -> torch.Tensor:
-        return tensor.detach().to("cpu", copy=True).contiguous()
+    def check_server(self, backend: VLLMServerBackend, config: dict, server_version: str) -> None:
+        pass  # dev mode (checked by the probe) is all it needs
 
-    def push(self, backend: VLLMServerBackend, tensors: dict[str, torch.Tensor]) -> None:
+    def connect(self, backend: VLLMServerBackend) -> None:
+        pass
+
+    @staticmethod
+    def stage(tensors: dict[str, torch.Tensor]) -> StagedWeights:
+        return stage_copy(tensors, lambda tensor: tensor.to("cpu", copy=True).contiguous())
+
+    def push(self, backend: VLLMServerBackend, staged: StagedWeights) -> None:
         from safetensors.torch import save_file
 
         # Every tensor is written, tied ones too: vLLM's in-place reload leaves a tensor missing from the file in an
         # undefined state (a tied lm_head was seen to go stale).
         tmp = os.path.join(self.folder, "model.safetensors.tmp")
-        save_file(tensors, tmp)
+        save_file(staged.tensors, tmp)
         os.replace(tmp, os.path.join(self.folder, "model.safetensors"))  # the server never sees a partial file
-        backend.post("/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": self.folder}})
-        backend.post("/reset_prefix_cache")
+        backend.post("/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": self.folder}},
+                     doing="reloading the weights from disk")
+        _reset_prefix_cache(backend)
 
     def close(self) -> None:
         pass
 
 
+def _reset_prefix_cache(backend: VLLMServerBackend) -> None:
+    # Answers {"success": false} while blocks are held by running requests; none run during a push.
+    answer = backend.post("/reset_prefix_cache", doing="resetting the prefix cache")
+    if answer.get("success") is False:
+        raise VLLMServerError(f"The vLLM server at {backend.where} could not reset its prefix cache after a weight "
+                              "push (blocks still held): cached prefixes would keep the old weights' key/values.")
+
+
 class NCCLTransport:
-    """TRL's NCCL weight transfer (GPU): the server needs `--weight-transfer-config '{"backend": "nccl"}'`."""
+    """TRL's NCCL weight transfer (GPU): the server needs `--weight-transfer-config '{"backend": "nccl"}'` and dev
+    mode; the trainer needs vLLM installed (`pip install 'trl-a3po[vllm]'`), on the same side of 0.28 as the server.
 
-    def __init__(self, base_url: str):
-        from trl.generation.vllm_client import VLLMClient  # needs `pip install trl-a3po[vllm]`
+    One packed update per version: every tensor announced and broadcast in one `update_named_params` call inside
+    one `weight_update()`, tied tensors once, then a prefix-cache reset.
+    """
 
-        self.client = VLLMClient(base_url=base_url, connection_timeout=10.0)
-        self.client.init_communicator(device=torch.cuda.current_device())
+    name = "nccl"
+    needs = "/server_info, /init_weight_transfer_engine, /update_weights, /reset_prefix_cache"
 
-    @staticmethod
-    def stage(tensor: torch.Tensor) -> torch.Tensor:
-        return tensor.detach().clone()  # stays on the GPU it lives on
+    def __init__(self, group_port: int = 51216, timeout_s: float = 240.0):
+        self.group_port = group_port
+        self.timeout_s = timeout_s
+        self.device = None  # set by `connect`, on the trainer's main thread, where Accelerate has set the device
+        self.client = None
 
-    def push(self, backend: VLLMServerBackend, tensors: dict[str, torch.Tensor]) -> None:
-        with self.client.weight_update():
-            for name, tensor in tensors.items():
-                self.client.update_named_param(name, tensor)
-        self.client.reset_prefix_cache()
+    def check_server(self, backend: VLLMServerBackend, config: dict, server_version: str) -> None:
+        engine = config.get("weight_transfer_config")
+        if not engine or (isinstance(engine, dict) and engine.get("backend") != "nccl"):
+            raise VLLMServerSetupError(
+                f"The vLLM server at {backend.where} has no NCCL weight-transfer engine (weight_transfer_config: "
+                f"{engine!r}). Restart it with{NCCL_FLAG}: {backend.server_command()}"
+            )
+        trainer_version = trainer_vllm_version()
+        if trainer_version is None:
+            raise VLLMServerSetupError(
+                "weight_sync_transport='nccl' needs vLLM in the training environment (TRL's VLLMClient opens the NCCL "
+                f"group with it): pip install 'trl-a3po[vllm]' (vllm=={server_version}, the server's release)."
+            )
+        if server_version != "unknown" and (
+            (_version_tuple(trainer_version) >= _NCCL_WIRE_CHANGE) != (_version_tuple(server_version) >= _NCCL_WIRE_CHANGE)
+        ):
+            raise VLLMServerSetupError(
+                f"The trainer's vLLM {trainer_version} and the server's {server_version} speak different NCCL weight-"
+                "update formats (TRL's client follows the trainer's vLLM; the format changed at 0.28). Install the "
+                f"server's release in the training environment: pip install vllm=={server_version}"
+            )
+
+    def connect(self, backend: VLLMServerBackend) -> None:
+        from trl.generation.vllm_client import VLLMClient
+
+        self.device = torch.cuda.current_device()
+        self.client = VLLMClient(base_url=backend.base_url, group_port=self.group_port,
+                                 connection_timeout=self.timeout_s)
+        self.client.init_communicator(device=self.device)
+
+    def stage(self, tensors: dict[str, torch.Tensor]) -> StagedWeights:
+        # Tied tensors (a tied lm_head is the embedding's storage) once: the server ties them itself.
+        unique, seen = {}, set()
+        for name, tensor in tensors.items():
+            key = (tensor.data_ptr(), tensor.storage_offset(), tuple(tensor.shape))
+            if key not in seen:
+                seen.add(key)
+                unique[name] = tensor
+        return stage_copy(unique, torch.clone)  # stays on the GPU it lives on
+
+    def push(self, backend: VLLMServerBackend, staged: StagedWeights) -> None:
+        # The producer thread works on the trainer's device (no CUDA: only with a stand-in client, in tests).
+        with torch.cuda.device(self.device) if torch.cuda.is_available() else contextlib.nullcontext():
+            wait_until_staged(staged)  # the broadcast runs on this thread's stream, after the staging copies
+            metadata = [(name, str(t.dtype).removeprefix("torch."), list(t.shape)) for name, t in staged.tensors.items()]
+            with self.client.weight_update():
+                self.client.update_named_params(metadata, iter(staged.tensors.items()))
+            self.client.reset_prefix_cache()
 
     def close(self) -> None:
-        self.client.close_communicator()
+        if self.client is not None:
+            self.client.close_communicator()
 
 
 @contextlib.contextmanager
 def local_vllm_server(python: str, model_dir: str, port: int, workdir: str, max_model_len: int = 1024,
-                      env: dict | None = None, timeout_s: float = 600):
+                      env: dict | None = None, timeout_s: float = 600, dev_mode: bool = True,
+                      extra_args: tuple[str, ...] = ()):
     """A vLLM server on this machine for `model_dir` (the tests and `benchmarks/learning.py` start one), with
     the flags this backend needs: dev mode for the disk transport's `/collective_rpc`, processed log-probs. Yields
     its base URL once `/health` answers; on exit stops its whole process group, so vLLM's engine and worker
@@ -212,14 +383,14 @@ def local_vllm_server(python: str, model_dir: str, port: int, workdir: str, max_
     and `server.log` go to `workdir`."""
     for folder in ("cache", "rpc"):
         os.makedirs(os.path.join(workdir, folder), exist_ok=True)
-    env = {"VLLM_CPU_KVCACHE_SPACE": "1", **os.environ, **(env or {}), "VLLM_SERVER_DEV_MODE": "1",
+    env = {"VLLM_CPU_KVCACHE_SPACE": "1", **os.environ, **(env or {}), "VLLM_SERVER_DEV_MODE": "1" if dev_mode else "0",
            "VLLM_CACHE_ROOT": os.path.join(workdir, "cache"), "VLLM_RPC_BASE_PATH": os.path.join(workdir, "rpc")}
     log_path = os.path.join(workdir, "server.log")
     with open(log_path, "w") as log:
         server = subprocess.Popen(
             [python, "-m", "vllm.entrypoints.openai.api_server", "--host", "127.0.0.1", "--port", str(port),
              "--model", str(model_dir), "--dtype", "float32", "--max-model-len", str(max_model_len),
-             "--enforce-eager", "--logprobs-mode", "processed_logprobs", "--max-logprobs", "-1"],
+             "--enforce-eager", "--logprobs-mode", "processed_logprobs", "--max-logprobs", "-1", *extra_args],
             stdout=log, stderr=subprocess.STDOUT, env=env, cwd=workdir, start_new_session=True,
         )
     url = f"http://127.0.0.1:{port}"

@@ -1,0 +1,150 @@
+"""The vLLM server backend against a stand-in server (loopback): failures are never silent, and the start-up probe
+names what the server lacks before any weight moves. The real CPU server runs in tests/test_vllm_server.py."""
+
+import time
+
+import pytest
+import torch
+from conftest import digit_reward, make_model
+from standin_server import StandinServer
+from test_trainer import COMMON
+
+from trl_a3po import A3POConfig, A3POTrainer
+from trl_a3po.rollout import ProducerError
+from trl_a3po.rollout import vllm_server as vllm_module
+from trl_a3po.rollout.vllm_server import NCCLTransport, VLLMServerBackend, VLLMServerSetupError
+from trl_a3po.trainer import _hf_named_tensors
+
+
+def train_against(server, tmp_path, tokenizer, dataset, **kwargs):
+    args = A3POConfig(output_dir=str(tmp_path), rollout_backend="vllm_server", vllm_server_port=server.port,
+                      weight_sync_transport="disk", **{**COMMON, "max_steps": 2, **kwargs})
+    trainer = A3POTrainer(model=make_model(tokenizer), reward_funcs=digit_reward, args=args, train_dataset=dataset,
+                          processing_class=tokenizer)
+    trainer.train()
+    return trainer
+
+
+def test_a_well_behaved_standin_trains(tmp_path, tokenizer, prompt_dataset):
+    # The control for the failure tests below: the stand-in itself is a server the trainer can train against.
+    with StandinServer("ok") as server:
+        trainer = train_against(server, tmp_path, tokenizer, prompt_dataset)
+    assert trainer.state.global_step == 2
+    assert server.paths.count("/v1/completions") == 2
+    assert server.paths.index("/collective_rpc") < server.paths.index("/v1/completions")  # weights before text
+
+
+def test_an_error_event_mid_stream_makes_train_raise_with_the_servers_message(tmp_path, tokenizer, prompt_dataset):
+    # vLLM reports an engine failure inside the 200 stream, after some tokens: never training data.
+    with StandinServer("error") as server, pytest.raises(ProducerError) as raised:
+        train_against(server, tmp_path, tokenizer, prompt_dataset)
+    assert StandinServer.ERROR_MESSAGE in str(raised.value)
+    assert f"127.0.0.1:{server.port}" in str(raised.value) and "generating batch 0" in str(raised.value)
+
+
+def test_a_row_without_finish_reason_is_refused(tmp_path, tokenizer, prompt_dataset):
+    with StandinServer("unfinished") as server, pytest.raises(ProducerError, match=r"finish_reason None after 2 tokens"):
+        train_against(server, tmp_path, tokenizer, prompt_dataset)
+
+
+def test_a_stalled_server_raises_within_vllm_server_timeout(tmp_path, tokenizer, prompt_dataset):
+    with StandinServer("stall", stall_s=60) as server:
+        start = time.monotonic()
+        with pytest.raises(ProducerError, match=r"sent nothing for 2 s while generating .*vllm_server_timeout"):
+            train_against(server, tmp_path, tokenizer, prompt_dataset, vllm_server_timeout=2.0)
+        assert time.monotonic() - start < 20
+
+
+@pytest.mark.parametrize(
+    "server_kwargs,transport,message",
+    [
+        (dict(dev_mode=False), "disk", r"without VLLM_SERVER_DEV_MODE=1.*/collective_rpc.*VLLM_SERVER_DEV_MODE=1 vllm "
+                                       r"serve MODEL --host 127.0.0.1"),
+        (dict(dev_mode=False), "nccl", r"without VLLM_SERVER_DEV_MODE=1.*--weight-transfer-config"),
+        (dict(logprobs_mode="raw_logprobs"), "disk", r"returns 'raw_logprobs' log-probs.*--logprobs-mode "
+                                                     r"processed_logprobs"),
+        (dict(weight_transfer=None), "nccl", r"no NCCL weight-transfer engine.*--weight-transfer-config "
+                                             r"'\{\"backend\": \"nccl\"\}'"),
+        (dict(weight_transfer={"backend": "nccl"}, version="0.27.1"), "nccl",
+         r"trainer's vLLM 0.31.0 and the server's 0.27.1 speak different NCCL weight-update formats.*"
+         r"pip install vllm==0.27.1"),
+    ],
+)
+def test_the_start_up_probe_names_what_the_server_lacks(tmp_path, monkeypatch, server_kwargs, transport, message):
+    monkeypatch.setattr(vllm_module, "trainer_vllm_version", lambda: "0.31.0")
+    args = A3POConfig(output_dir=str(tmp_path), rollout_backend="vllm_server", weight_sync_transport=transport,
+                      **COMMON)
+    with StandinServer(**server_kwargs) as server:
+        args.vllm_server_port = server.port
+        with pytest.raises(VLLMServerSetupError, match=message):
+            VLLMServerBackend.from_config(args, eos_token_ids=[1])
+        assert not any(p.startswith(("/collective_rpc", "/init_weight_transfer_engine")) for p in server.paths)
+
+
+def test_nccl_needs_vllm_beside_the_trainer(tmp_path, monkeypatch):
+    monkeypatch.setattr(vllm_module, "trainer_vllm_version", lambda: None)
+    with StandinServer(weight_transfer={"backend": "nccl"}) as server:
+        args = A3POConfig(output_dir=str(tmp_path), rollout_backend="vllm_server", vllm_server_port=server.port,
+                          weight_sync_transport="nccl", **COMMON)
+        with pytest.raises(VLLMServerSetupError, match=r"pip install 'trl-a3po\[vllm\]' \(vllm==0.31.0"):
+            VLLMServerBackend.from_config(args, eos_token_ids=[1])
+
+
+class PackedRecorder:
+    """Stands in for TRL's VLLMClient after `init_communicator`: records each update's calls."""
+
+    def __init__(self):
+        self.updates, self.calls = [], []
+
+    def weight_update(self):
+        import contextlib
+
+        @contextlib.contextmanager
+        def update():
+            self.calls.append("start")
+            yield
+            self.calls.append("finish")
+
+        return update()
+
+    def update_named_params(self, metadata, named_params):
+        self.calls.append("update_named_params")
+        items = list(named_params)
+        assert [name for name, _ in items] == [m[0] for m in metadata]
+        self.updates.append({name: tensor.clone() for name, tensor in items})
+
+    def reset_prefix_cache(self):
+        self.calls.append("reset_prefix_cache")
+
+
+def test_nccl_push_is_one_packed_update_with_every_tensor_once(tokenizer):
+    model = make_model(tokenizer)  # tied embeddings: lm_head.weight is the embedding's storage
+    transport = NCCLTransport(group_port=51299)
+    transport.client = PackedRecorder()
+    tensors = _hf_named_tensors(model)
+    assert "lm_head.weight" in tensors
+    transport.push(None, transport.stage(tensors))
+    assert transport.client.calls == ["start", "update_named_params", "finish", "reset_prefix_cache"]
+    (update,) = transport.client.updates
+    assert "lm_head.weight" not in update  # the server ties it to the embedding itself
+    assert sorted(update) == sorted(name for name, _ in model.named_parameters())
+    for name, param in model.named_parameters():
+        assert torch.equal(update[name], param.detach())
+
+
+def test_server_fields_of_grpo_config_reach_the_nccl_client(tmp_path, monkeypatch):
+    built = []
+    original = NCCLTransport.__init__
+
+    def recording(self, **kwargs):
+        built.append(kwargs)
+        original(self, **kwargs)
+
+    monkeypatch.setattr(NCCLTransport, "__init__", recording)
+    args = A3POConfig(output_dir=str(tmp_path), rollout_backend="vllm_server", weight_sync_transport="nccl",
+                      vllm_group_port=51300, vllm_server_timeout=17.0, **COMMON)
+    with StandinServer(dev_mode=False) as server:  # refused by the probe, after the transport is built
+        args.vllm_server_port = server.port
+        with pytest.raises(VLLMServerSetupError):
+            VLLMServerBackend.from_config(args, eos_token_ids=[1])
+    assert built == [{"group_port": 51300, "timeout_s": 17.0}]

@@ -1,0 +1,43 @@
+"""A published version's private copy, and the CUDA ordering between the thread that copies and the one that reads.
+
+The trainer's main thread stages (copies) the weights on its own CUDA stream; the producer thread loads or pushes
+them on another stream. Without an event between the two, the producer could read a copy that is not finished, and
+the caching allocator could hand the copy's memory to the trainer while the producer still reads it. `StagedWeights`
+carries that event; `wait_until_staged` makes the reading stream wait for it and marks the tensors as used there.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class StagedWeights:
+    tensors: dict[str, torch.Tensor]
+    ready: torch.cuda.Event | None  # recorded on the staging stream after the last copy; None off CUDA
+
+
+def stage_copy(tensors: dict[str, torch.Tensor], copy: Callable[[torch.Tensor], torch.Tensor]) -> StagedWeights:
+    """Copy every tensor with `copy` (on the calling thread's current stream) and record when the copies are done."""
+    with torch.no_grad():
+        staged = {name: copy(tensor.detach()) for name, tensor in tensors.items()}
+    ready = None
+    if any(t.is_cuda for t in staged.values()):
+        ready = torch.cuda.Event()
+        ready.record()
+    return StagedWeights(staged, ready)
+
+
+def wait_until_staged(staged: StagedWeights) -> None:
+    """On the reading thread: order its current stream after the copies, and keep their memory from being reused
+    before the work this stream queues on them has run."""
+    if staged.ready is None:
+        return
+    stream = torch.cuda.current_stream()
+    stream.wait_event(staged.ready)
+    for tensor in staged.tensors.values():
+        if tensor.is_cuda:
+            tensor.record_stream(stream)
