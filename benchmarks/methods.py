@@ -3,6 +3,14 @@
     python benchmarks/methods.py                                   # tiny random model, SmolLM2's tokenizer, CPU
     python benchmarks/methods.py --model smollm2-135m-instruct --steps 8   # ~20 min on 2 CPU cores (5 methods x 8 steps)
     python benchmarks/methods.py --backend vllm_server --vllm-port 8000   # generation on a running vLLM server
+    python benchmarks/methods.py --model qwen2.5-1.5b-shape --methods sync recompute loglinear loglinear-noahead \
+        --batch 8 --gradient-accumulation-steps 2 --steps-per-generation 8 --prompt-tokens 128 \
+        --completion-tokens 512 --steps 12 --gradient-checkpointing     # one GPU, the paper's model shape
+
+A `*-shape` model (benchmarks/prox_cost.py's SHAPES; `tiny-shape` for a CPU smoke run) is randomly initialised with a
+synthetic word-level tokenizer of its vocabulary size, random prompts of `--prompt-tokens` words and a synthetic
+reward: no hub, dataset or math-verify needed (what the lent GPU machine has), and a random model almost never
+samples EOS, so every completion is `--completion-tokens` long.
 
 Methods: `grpo` (trl.GRPOTrainer), `sync` (A3POTrainer, coupled loss, no queue: the paper's baseline),
 `recompute` (queue + decoupled loss, proximal forward per batch) and `loglinear` (queue + A-3PO). Prints each
@@ -14,15 +22,22 @@ from __future__ import annotations
 
 import argparse
 import gc
+import random
 import statistics
+import sys
 import tempfile
 import time
+from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config
+from datasets import Dataset
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast, Qwen2Config
 from trl import GRPOConfig, GRPOTrainer
 
-from trl_a3po import A3POConfig, A3POTrainer, gsm8k_accuracy_reward, load_gsm8k, resolve_model
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from prox_cost import SHAPES  # noqa: E402
+
+from trl_a3po import A3POConfig, A3POTrainer  # noqa: E402
 
 METHODS = {
     "grpo": dict(trainer=GRPOTrainer, config=GRPOConfig),
@@ -35,7 +50,41 @@ METHODS = {
 }
 
 
+def shape_config(name: str):
+    return SHAPES["tiny" if name == "tiny-shape" else name]()
+
+
+def shape_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
+    """A word-level tokenizer over `vocab_size` tokens (`<pad>`, `<eos>`, `<unk>`, then w3, w4, ...)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {"<pad>": 0, "<eos>": 1, "<unk>": 2, **{f"w{i}": i for i in range(3, vocab_size)}}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
+
+
+def shape_dataset(vocab_size: int, prompt_tokens: int, rows: int = 256) -> Dataset:
+    rng = random.Random(0)
+    return Dataset.from_dict(
+        {"prompt": [" ".join(f"w{rng.randrange(3, vocab_size)}" for _ in range(prompt_tokens)) for _ in range(rows)]}
+    )
+
+
+def synthetic_reward(completions, **kwargs):
+    """Spread within each group, so advantages are not all zero: a function of each completion's text."""
+    return [(sum(map(ord, text)) % 13) / 13 for text in completions]
+
+
 def make_model(name: str, tokenizer):
+    if name.endswith("-shape"):
+        torch.manual_seed(0)
+        config = shape_config(name)
+        config.pad_token_id, config.eos_token_id = tokenizer.pad_token_id, tokenizer.eos_token_id
+        return AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16 if torch.cuda.is_available()
+                                                else torch.float32)
+    from trl_a3po import resolve_model
+
     if name == "tiny":
         torch.manual_seed(0)
         config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=128, intermediate_size=256, num_hidden_layers=4,
@@ -57,9 +106,16 @@ def run(method: str, args, tokenizer, dataset) -> dict:
         per_device_train_batch_size=args.batch, num_generations=4, steps_per_generation=args.steps_per_generation,
         max_completion_length=args.completion_tokens, learning_rate=1e-6, logging_steps=1, report_to="none",
         save_strategy="no", seed=0, use_cpu=not torch.cuda.is_available(), bf16=torch.cuda.is_available(),
-        temperature=1.0, disable_tqdm=True, **spec,
+        temperature=1.0, disable_tqdm=True, gradient_accumulation_steps=args.gradient_accumulation_steps,
+        gradient_checkpointing=args.gradient_checkpointing, **spec,
     )
-    trainer = trainer_cls(model=make_model(args.model, tokenizer), reward_funcs=gsm8k_accuracy_reward, args=config,
+    if args.model.endswith("-shape"):
+        reward = synthetic_reward
+    else:
+        from trl_a3po import gsm8k_accuracy_reward  # math-verify: only for the GSM8K runs
+
+        reward = gsm8k_accuracy_reward
+    trainer = trainer_cls(model=make_model(args.model, tokenizer), reward_funcs=reward, args=config,
                           train_dataset=dataset, processing_class=tokenizer)
     start = time.perf_counter()
     trainer.train()
@@ -69,7 +125,8 @@ def run(method: str, args, tokenizer, dataset) -> dict:
     def values(key):
         return [h[key] for h in history if key in h]
 
-    skip = args.steps_per_generation  # the first generation batch: warm-up, and nothing to overlap with yet
+    # the first generation batch (its optimizer steps): warm-up, and nothing to overlap with yet
+    skip = args.steps_per_generation // args.gradient_accumulation_steps
     step_times = values("step_time")[skip:] or values("step_time")
     tokens = sum(h["completions/mean_length"] * args.batch * args.steps_per_generation
                  for h in history if "completions/mean_length" in h)
@@ -89,12 +146,16 @@ def run(method: str, args, tokenizer, dataset) -> dict:
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="tiny", help="tiny (random, SmolLM2 tokenizer), or a model / alias")
+    parser.add_argument("--model", default="tiny", help="tiny (random, SmolLM2 tokenizer), a model / alias, or a "
+                        f"random *-shape model: tiny-shape, {', '.join(k for k in SHAPES if k != 'tiny')}")
     parser.add_argument("--methods", nargs="+", default=list(METHODS))
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--batch", type=int, default=8, help="per_device_train_batch_size (samples per step)")
     parser.add_argument("--steps-per-generation", type=int, default=2)
     parser.add_argument("--completion-tokens", type=int, default=64)
+    parser.add_argument("--prompt-tokens", type=int, default=128, help="*-shape models: words per random prompt")
+    parser.add_argument("--gradient-accumulation-steps", type=int, default=1)
+    parser.add_argument("--gradient-checkpointing", action="store_true")
     parser.add_argument("--backend", default="inprocess", choices=["inprocess", "vllm_server"])
     parser.add_argument("--max-staleness", type=int, default=None, help="eta for the async methods (default: auto)")
     parser.add_argument("--vllm-port", type=int, default=8000)
@@ -103,24 +164,32 @@ def main():
                         "to start from) and exit")
     args = parser.parse_args()
 
-    tokenizer = AutoTokenizer.from_pretrained(resolve_model("smollm2-135m-instruct" if args.model == "tiny"
-                                                            else args.model))
+    if args.model.endswith("-shape"):
+        vocab_size = shape_config(args.model).vocab_size
+        tokenizer, dataset = shape_tokenizer(vocab_size), shape_dataset(vocab_size, args.prompt_tokens)
+    else:
+        from trl_a3po import load_gsm8k, resolve_model
+
+        tokenizer = AutoTokenizer.from_pretrained(resolve_model("smollm2-135m-instruct" if args.model == "tiny"
+                                                                else args.model))
+        dataset = load_gsm8k(args.dataset, "train", limit=256)
     if args.save_tiny:
         make_model("tiny", tokenizer).save_pretrained(args.save_tiny)
         tokenizer.save_pretrained(args.save_tiny)
         return
-    dataset = load_gsm8k(args.dataset, "train", limit=256)
     results = [run(method, args, tokenizer, dataset) for method in args.methods]
 
-    print(f"\nmodel={args.model} backend={args.backend} steps={args.steps} batch={args.batch} "
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    print(f"\nmodel={args.model} device={device} backend={args.backend} steps={args.steps} batch={args.batch} "
+          f"gradient_accumulation_steps={args.gradient_accumulation_steps} "
           f"steps_per_generation={args.steps_per_generation} completion_tokens={args.completion_tokens} "
           f"max_staleness={args.max_staleness or 'auto'} threads={torch.get_num_threads()}")
-    header = (f"{'method':<11}{'step s (median)':>16}{'gen tok/s':>11}{'prox s/step (median)':>22}"
+    header = (f"{'method':<18}{'step s (median)':>16}{'gen tok/s':>11}{'prox s/step (median)':>22}"
               f"{'prox s/step (mean)':>20}{'wait s/step':>13}{'wall s':>9}")
     print(header)
     print("-" * len(header))
     for r in results:
-        print(f"{r['method']:<11}{r['step_s']:>16.3f}{r['tokens_per_s']:>11.1f}{r['prox_s']:>22.6f}"
+        print(f"{r['method']:<18}{r['step_s']:>16.3f}{r['tokens_per_s']:>11.1f}{r['prox_s']:>22.6f}"
               f"{r['prox_mean_s']:>20.6f}{r['wait_s']:>13.3f}{r['wall_s']:>9.1f}")
     by = {r["method"]: r for r in results}
     ratios = []

@@ -65,3 +65,18 @@ def test_learning_benchmark_summary_reads_a_run_log(tmp_path):
     result = learning["summarize"]("sync", 0, str(tmp_path / "trainer_state.json"), {"accuracy": 0.1},
                                    {"accuracy": 0.2})
     assert result["staleness_share"] == {"0": 1.0} and result["prox_s_per_step"] is None
+
+
+def test_gpu_check_runs_end_to_end_on_cpu_with_tiny_shapes():
+    # benchmarks/gpu_check.sh as the GPU machine runs it, with tiny shapes on this CPU: its three tables, the last
+    # from the real A3POTrainer with a synthetic tokenizer and reward (what the device has: no hub, no dataset).
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(["bash", "benchmarks/gpu_check.sh", "--cpu"], cwd=REPO, env=env, capture_output=True,
+                            text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    rows = {line.split()[0]: line.split()[1:] for line in result.stdout.splitlines()
+            if line.split() and line.split()[0] in ("sync", "recompute", "loglinear", "loglinear-noahead")}
+    assert sorted(rows) == ["loglinear", "loglinear-noahead", "recompute", "sync"], result.stdout[-3000:]
+    prox_mean = {method: float(values[3]) for method, values in rows.items() if method != "sync"}
+    assert prox_mean["recompute"] > prox_mean["loglinear"]  # a forward pass vs an element-wise interpolation
+    assert "ratios: wall sync/loglinear" in result.stdout and "model=tiny-shape device=cpu" in result.stdout
