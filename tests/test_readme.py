@@ -1,5 +1,6 @@
 """The README's configuration reference is the dataclass's."""
 
+import re
 import runpy
 from pathlib import Path
 
@@ -16,3 +17,24 @@ def test_readme_commands_exist():
     for path in ("scripts/setup.sh", "recipes/gsm8k.py", "recipes/gsm8k_cpu.yaml", "recipes/gsm8k.yaml",
                  "recipes/eval_gsm8k.py", "notebooks/quickstart.ipynb", "scripts/install_vllm_cpu.sh"):
         assert path in readme and (REPO / path).exists(), path
+
+
+def server_commands(text: str) -> list[str]:
+    """Every vLLM server command in a text (README, yaml comments), its continuation lines joined."""
+    joined = re.sub(r"\\\n[#\s]*", " ", text)
+    return [line for line in joined.splitlines() if "vllm serve " in line or "vllm.entrypoints.openai.api_server" in line]
+
+
+def test_every_server_command_carries_what_the_start_up_probe_checks():
+    from trl_a3po.rollout.vllm_server import NCCL_FLAG, SERVER_COMMAND
+
+    readme_blocks = "\n".join(re.findall(r"```bash\n(.*?)```", (REPO / "README.md").read_text(), re.S))
+    commands = server_commands(readme_blocks) + server_commands((REPO / "recipes" / "gsm8k.yaml").read_text())
+    assert len(commands) >= 3, commands
+    probe_flags = ["VLLM_SERVER_DEV_MODE=1", "--host 127.0.0.1", "--logprobs-mode processed_logprobs"]
+    assert all(flag in SERVER_COMMAND for flag in probe_flags)  # the command the probe's errors print
+    for command in commands:
+        for flag in probe_flags:
+            assert flag in command, (flag, command)
+        if "vllm serve " in command:  # the GPU commands: NCCL weight transfer
+            assert NCCL_FLAG.strip() in command, command

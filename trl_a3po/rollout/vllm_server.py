@@ -6,7 +6,8 @@ Completions come from the OpenAI-compatible `/v1/completions` endpoint with toke
 
 Weights are pushed by the producer thread between two batches, so no request is ever mid-generation during a push and
 every sample has exactly one behaviour version. With several training processes only the main process has a backend:
-it generates every process's share (see A3POTrainer), so the server's weights have one owner.
+it generates every process's share (see A3POTrainer), so the server's weights have one owner. Start-up probe and
+failure handling: DESIGN.md, "The vLLM server".
 """
 
 from __future__ import annotations
