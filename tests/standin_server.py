@@ -21,8 +21,11 @@ class StandinServer:
     ERROR_MESSAGE = "EngineCore encountered an issue: CUDA out of memory (stand-in)"
 
     def __init__(self, completions="ok", dev_mode=True, logprobs_mode="processed_logprobs", weight_transfer=None,
-                 version="0.31.0", stall_s=30.0):
+                 version="0.31.0", stall_s=30.0, restart_at=None):
         self.completions, self.dev_mode, self.version = completions, dev_mode, version
+        self.restart_at = restart_at  # the n-th completions request (1-based) finds a "restarted" server
+        self.weight_version = None
+        self.completion_requests = 0
         self.logprobs_mode, self.weight_transfer, self.stall_s = logprobs_mode, weight_transfer, stall_s
         self.paths: list[str] = []
         standin = self
@@ -50,6 +53,8 @@ class StandinServer:
                     self._json({"data": [{"id": "standin"}]})
                 elif path == "/version":
                     self._json({"version": standin.version})
+                elif path == "/weight_info" and standin.dev_mode:
+                    self._json({"weight_version": standin.weight_version})
                 elif path == "/server_info" and standin.dev_mode:
                     self._json({"vllm_config": {"model_config": {"logprobs_mode": standin.logprobs_mode},
                                                 "weight_transfer_config": standin.weight_transfer}})
@@ -61,7 +66,13 @@ class StandinServer:
                 body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
                 path = self.path.split("?")[0]
                 if path == "/v1/completions":
+                    standin.completion_requests += 1
+                    if standin.completion_requests == standin.restart_at:
+                        standin.weight_version = None  # what a restarted server holds: its base weights, no label
                     self._stream(len(body["prompt"]))
+                elif path == "/update_weight_version" and standin.dev_mode:
+                    standin.weight_version = body["new_version"]
+                    self._json({"success": True, "new_version": body["new_version"]})
                 elif path in ("/collective_rpc", "/reset_prefix_cache") and standin.dev_mode:
                     self._json({"success": True} if path == "/reset_prefix_cache" else {})
                 else:

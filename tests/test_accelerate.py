@@ -5,6 +5,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from conftest import require_deepspeed
@@ -21,7 +22,7 @@ def free_port():
 DEEPSPEED_CPU = SCRIPT.parent / "deepspeed_cpu.json"
 
 
-def launch(out_dir, mode, *extra):
+def launch(out_dir, mode, *extra, expect_failure=False):
     """`mode`s ending in "zero3" run under real DeepSpeed ZeRO-3 (CPU, gloo, `DEEPSPEED_CPU`)."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
     distributed = ["--multi_gpu"]
@@ -32,6 +33,8 @@ def launch(out_dir, mode, *extra):
     cmd = [sys.executable, "-m", "accelerate.commands.launch", *distributed, "--num_processes", "2", "--num_machines",
            "1", "--main_process_port", str(free_port()), "--mixed_precision", "no", "--dynamo_backend", "no", str(SCRIPT), str(out_dir), mode, *map(str, extra)]
     result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    if expect_failure:
+        return result
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
     return [json.loads((out_dir / f"{mode}-rank{r}.json").read_text()) for r in range(2)]
 
@@ -69,3 +72,20 @@ def test_two_processes_under_deepspeed_zero3_train_async_in_process(tmp_path, sy
         assert ranks[rank]["partitioned_fraction"] == 0.5  # each process holds half of every parameter
         assert ranks[rank]["checked"] == 16
     assert max(ranks[0]["staleness_max"]) == 2
+
+
+def test_a_server_refused_at_start_up_fails_every_process_with_the_original_error(tmp_path):
+    # Only the main process talks to the server; its failure at start-up (here the probe refusing a server without
+    # dev mode) reaches the other process as the original message, and both exit non-zero, quickly.
+    from standin_server import StandinServer
+
+    with StandinServer(dev_mode=False) as server:
+        start = time.monotonic()
+        result = launch(tmp_path, "standin-nodev", server.port, expect_failure=True)
+        elapsed = time.monotonic() - start
+    assert result.returncode != 0
+    output = result.stdout + result.stderr
+    for rank in range(2):
+        errors = [line for line in output.splitlines() if line.startswith(f"[rank{rank}]:") and "Error" in line]
+        assert any("without VLLM_SERVER_DEV_MODE=1" in line for line in errors), (rank, errors[-5:])
+    assert elapsed < 60

@@ -42,6 +42,16 @@ def test_an_error_event_mid_stream_makes_train_raise_with_the_servers_message(tm
     assert f"127.0.0.1:{server.port}" in str(raised.value) and "generating batch 0" in str(raised.value)
 
 
+def test_a_server_that_restarted_between_push_and_generation_is_caught(tmp_path, tokenizer, prompt_dataset):
+    # A restarted server holds its base weights again: its completions must never be trained under the pushed
+    # version's label. The second batch's request finds the server "restarted" (its weight label gone).
+    with StandinServer("ok", restart_at=2) as server, pytest.raises(ProducerError) as raised:
+        train_against(server, tmp_path, tokenizer, prompt_dataset, max_steps=4)
+    assert "holds weights labelled None, not the ones this run pushed" in str(raised.value)
+    assert "generating batch 1" in str(raised.value)
+    assert server.paths.count("/weight_info") == 1 + 2  # probed once, then read back after each generation
+
+
 def test_a_row_without_finish_reason_is_refused(tmp_path, tokenizer, prompt_dataset):
     with StandinServer("unfinished") as server, pytest.raises(ProducerError, match=r"finish_reason None after 2 tokens"):
         train_against(server, tmp_path, tokenizer, prompt_dataset)

@@ -25,6 +25,7 @@ import inspect
 import itertools
 import os
 import time
+import warnings
 
 import datasets
 import torch
@@ -216,14 +217,22 @@ class A3POTrainer(GRPOTrainer):
     def train(self, *args, **kwargs):
         self._train_start = time.perf_counter()  # for a3po/wall_time_s: reward vs wall-clock plots
         try:
-            return super().train(*args, **kwargs)
-        finally:
-            self._close_queue()
+            result = super().train(*args, **kwargs)
+        except BaseException:
+            # The error that ended training is the one to report: a failure while closing is only a warning here.
+            try:
+                self._close_queue()
+            except Exception as close_error:
+                warnings.warn(f"closing the generation queue also failed: {close_error!r}", RuntimeWarning,
+                              stacklevel=2)
+            raise
+        self._close_queue()
+        return result
 
     def _close_queue(self) -> None:
-        if self._queue is not None:
-            self._queue.close()
-        self._queue = self._prompt_plans = self._bound = None
+        queue, self._queue, self._prompt_plans, self._bound = self._queue, None, None, None
+        if queue is not None:
+            queue.close()
 
     @property
     def _runs_producer(self) -> bool:
@@ -332,26 +341,27 @@ class A3POTrainer(GRPOTrainer):
             raise RuntimeError(f"generation batch {index} would be trained by policy version {version}; the trainer's "
                                "micro-step and optimizer-step counters disagree (a resume that changed the batch "
                                "layout?)")
-        if self._bound is None:
-            self._start_queue(index)
-        # The start of training step `index`: every optimizer step of the previous one has run (under DeepSpeed too,
-        # whose step happens inside backward()), so the live weights are exactly version `index`. Publish them here,
-        # on the main thread of every process (gathering sharded parameters is a collective), then hand the producer
-        # every batch the staleness bound now allows.
-        if self._queue is not None or self._dist.is_zero3 or self._dist.is_fsdp:  # the gather needs every process
-            with self._full_policy_tensors() as tensors:
-                if self._queue is not None:
-                    self._queue.publish(version, tensors)
-        start = time.perf_counter()
         share = None
-        if self._queue is not None:
-            try:
+        try:
+            if self._bound is None:
+                self._start_queue(index)
+            # The start of training step `index`: every optimizer step of the previous one has run (under DeepSpeed
+            # too, whose step happens inside backward()), so the live weights are exactly version `index`. Publish
+            # them here, on the main thread of every process (gathering sharded parameters is a collective), then
+            # hand the producer every batch the staleness bound now allows.
+            if self._queue is not None or self._dist.is_zero3 or self._dist.is_fsdp:  # the gather needs every process
+                with self._full_policy_tensors() as tensors:
+                    if self._queue is not None:
+                        self._queue.publish(version, tensors)
+            start = time.perf_counter()
+            if self._queue is not None:
                 share = self._produce(index, version)
-            except BaseException as error:
-                if self._serves_other_processes:
-                    # Tell the other processes before raising, or they would wait for their share forever.
-                    broadcast_object_list([ProducerError(f"the main process's generation failed: {error!r}")])
-                raise
+        except BaseException as error:
+            if self._serves_other_processes and self.accelerator.is_main_process:
+                # Tell the other processes before raising (a failed start, probe, publish or generation), or they
+                # would wait for their share until the collective times out.
+                broadcast_object_list([ProducerError(f"the main process's generation failed: {error!r}")])
+            raise
         if self._serves_other_processes:
             shares = broadcast_object_list([share])[0]  # every process takes its own part
             if isinstance(shares, BaseException):

@@ -3,7 +3,8 @@ steps on a tiny model; each rank writes OUT_DIR/<mode>-rank<r>.json with the pro
 its samples' behaviour versions, and how many samples it checked against the weights of their recorded version.
 
     two_process_run.py OUT_DIR sync|async                       in-process generation (async: a producer per rank)
-    two_process_run.py OUT_DIR vllm|vllm-lora|vllm-nccl-standin PORT MODEL_DIR   one vLLM server for both ranks
+    two_process_run.py OUT_DIR vllm|vllm-lora|vllm-zero3|vllm-nccl-standin PORT MODEL_DIR   one vLLM server for both
+    two_process_run.py OUT_DIR standin-nodev PORT      a stand-in server the start-up probe refuses (the run fails)
 
 `vllm-nccl-standin` replaces TRL's VLLMClient (the NCCL weight transfer, which needs GPUs) with a recorder, to count
 who initialises a communicator and how many pushes reach it; generation still runs on the real server.
@@ -66,7 +67,11 @@ tokenizer = make_tokenizer()
 dataset = Dataset.from_dict({"prompt": [f"Question {i}: what is {i} plus {i + 1}?" for i in range(48)]})
 server = {}
 zero3 = mode.endswith("zero3")  # launched with DeepSpeed ZeRO-3 (tests/scripts/deepspeed_cpu.json)
-if mode.startswith("vllm"):
+if mode == "standin-nodev":  # a stand-in server without dev mode (tests/standin_server.py): the probe refuses it
+    server = dict(rollout_backend="vllm_server", vllm_server_port=int(sys.argv[3]), weight_sync_transport="disk",
+                  weight_sync_dir=str(out_dir / "weight_sync"))
+    model = make_model(make_tokenizer())
+elif mode.startswith("vllm"):
     from transformers import AutoModelForCausalLM
 
     port, model_dir = int(sys.argv[3]), sys.argv[4]

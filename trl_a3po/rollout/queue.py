@@ -177,8 +177,12 @@ class GenerationQueue:
         if threading.current_thread() is not self._thread:
             self._thread.join(timeout)
             if self._thread.is_alive():
-                # Raising here would hide the error that ended training; the thread is a daemon either way.
-                warnings.warn(f"the generation producer did not stop within {timeout} s", RuntimeWarning, stacklevel=2)
+                # Raising here would hide the error that ended training; the thread is a daemon either way. The
+                # backend stays open: closing it under a producer still inside `load` or `generate` (a server call
+                # that has not returned) would pull its connection or communicator from under it.
+                warnings.warn(f"the generation producer did not stop within {timeout} s (it is {self._doing}); its "
+                              "backend is left open", RuntimeWarning, stacklevel=2)
+                return
         self._backend.close()
 
     # -------------------------------------------------------------- producer thread

@@ -20,6 +20,8 @@ import signal
 import subprocess
 import threading
 import time
+import uuid
+import warnings
 from urllib.parse import urlparse
 
 import requests
@@ -97,6 +99,13 @@ class VLLMServerBackend:
                 "vllm_server_base_url."
             ) from error
         self.model = self._request("reading the model list", "GET", "/v1/models")["data"][0]["id"]
+        # Each push labels the server's weights (vLLM's weight version) with this run's id and a push count; the
+        # label is read back after every generation, so a server that restarted (base weights again) or was loaded
+        # by someone else is caught before any of its completions is trained under this run's version.
+        self._run_id = uuid.uuid4().hex[:8]
+        self._pushes = 0
+        self._weight_label: str | None = None  # what the server must hold; None before the first push
+        self._labels = True  # the server has /weight_info (vLLM >= 0.2x); probed
         self._probe()
         self.transport.connect(self)
 
@@ -179,6 +188,10 @@ class VLLMServerBackend:
             )
         server_version = self._request("reading its version", "GET", "/version").get("version", "unknown")
         self.transport.check_server(self, config, server_version)
+        if self.session.get(f"{self.base_url}/weight_info", timeout=self.timeout).status_code == 404:
+            self._labels = False
+            warnings.warn(f"The vLLM server at {self.where} (vLLM {server_version}) has no /weight_info route: a "
+                          "restart of the server during training cannot be detected. Use vLLM >= 0.31.", stacklevel=2)
 
     # -------------------------------------------------------------- backend interface
 
@@ -189,7 +202,24 @@ class VLLMServerBackend:
         """Push a staged version to the server; return the seconds it took."""
         start = time.perf_counter()
         self.transport.push(self, staged)
+        self._pushes += 1
+        if self._labels:
+            label = f"a3po-{self._run_id}-{self._pushes}"
+            self.post("/update_weight_version", {"new_version": label}, doing="labelling the pushed weights")
+            self._weight_label = label
         return time.perf_counter() - start
+
+    def _check_weights_unchanged(self, doing: str) -> None:
+        if self._weight_label is None:
+            return
+        held = self._request("reading its weight version", "GET", "/weight_info").get("weight_version")
+        if held != self._weight_label:
+            raise VLLMServerError(
+                f"The vLLM server at {self.where} holds weights labelled {held!r}, not the ones this run pushed "
+                f"({self._weight_label!r}): it restarted, or another client loaded weights, before or while "
+                f"{doing}. Those completions are discarded rather than trained under the wrong policy version; "
+                "restart training from the last checkpoint (README 'Reliability')."
+            )
 
     def generate(self, prompt_ids: list[list[int]], stop: threading.Event):
         payload = {
@@ -235,6 +265,7 @@ class VLLMServerBackend:
                             finish_reasons[row] = choice["finish_reason"]
         except requests.RequestException as error:
             raise self._http_error(doing, error) from error
+        self._check_weights_unchanged(doing)
         unfinished = [row for row, reason in enumerate(finish_reasons) if reason not in ("stop", "length")]
         if unfinished:
             row = unfinished[0]
