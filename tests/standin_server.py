@@ -21,8 +21,9 @@ class StandinServer:
     ERROR_MESSAGE = "EngineCore encountered an issue: CUDA out of memory (stand-in)"
 
     def __init__(self, completions="ok", dev_mode=True, logprobs_mode="processed_logprobs", weight_transfer=None,
-                 version="0.31.0", stall_s=30.0, restart_at=None):
+                 version="0.31.0", stall_s=30.0, restart_at=None, push_fails=False):
         self.completions, self.dev_mode, self.version = completions, dev_mode, version
+        self.push_fails = push_fails  # /collective_rpc (the disk transport's reload) answers 500
         self.restart_at = restart_at  # the n-th completions request (1-based) finds a "restarted" server
         self.weight_version = None
         self.completion_requests = 0
@@ -73,6 +74,8 @@ class StandinServer:
                 elif path == "/update_weight_version" and standin.dev_mode:
                     standin.weight_version = body["new_version"]
                     self._json({"success": True, "new_version": body["new_version"]})
+                elif path == "/collective_rpc" and standin.push_fails:
+                    self._json({"error": {"message": "reload_weights failed: out of memory (stand-in)"}}, 500)
                 elif path in ("/collective_rpc", "/reset_prefix_cache") and standin.dev_mode:
                     self._json({"success": True} if path == "/reset_prefix_cache" else {})
                 else:

@@ -8,6 +8,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 from conftest import require_deepspeed
 
 SCRIPT = Path(__file__).resolve().parent / "scripts" / "two_process_run.py"
@@ -74,18 +75,30 @@ def test_two_processes_under_deepspeed_zero3_train_async_in_process(tmp_path, sy
     assert max(ranks[0]["staleness_max"]) == 2
 
 
-def test_a_server_refused_at_start_up_fails_every_process_with_the_original_error(tmp_path):
-    # Only the main process talks to the server; its failure at start-up (here the probe refusing a server without
-    # dev mode) reaches the other process as the original message, and both exit non-zero, quickly.
+@pytest.mark.parametrize(
+    "when,server_kwargs,mode,message",
+    [
+        ("start", dict(dev_mode=False), "standin", "without VLLM_SERVER_DEV_MODE=1"),
+        ("publish", dict(), "standin-stagefail", "staging failed (injected)"),
+        ("push", dict(push_fails=True), "standin", "reload_weights failed: out of memory (stand-in)"),
+        ("generation", dict(completions="error"), "standin", "CUDA out of memory (stand-in)"),
+        ("stall", dict(completions="stall", stall_s=120), "standin", "sent nothing for 3 s while generating"),
+    ],
+)
+def test_a_failure_of_the_main_process_ends_every_process_with_the_original_error(tmp_path, when, server_kwargs,
+                                                                                   mode, message):
+    # Only the main process talks to the server; whatever fails there (the start-up probe, staging a version, the
+    # push, an error event mid-generation, a stalled server) reaches the other process as the original message,
+    # and both exit non-zero, quickly.
     from standin_server import StandinServer
 
-    with StandinServer(dev_mode=False) as server:
+    with StandinServer(**server_kwargs) as server:
         start = time.monotonic()
-        result = launch(tmp_path, "standin-nodev", server.port, expect_failure=True)
+        result = launch(tmp_path, mode, server.port, expect_failure=True)
         elapsed = time.monotonic() - start
     assert result.returncode != 0
     output = result.stdout + result.stderr
     for rank in range(2):
         errors = [line for line in output.splitlines() if line.startswith(f"[rank{rank}]:") and "Error" in line]
-        assert any("without VLLM_SERVER_DEV_MODE=1" in line for line in errors), (rank, errors[-5:])
+        assert any(message in line for line in errors), (rank, errors[-5:])
     assert elapsed < 60

@@ -387,3 +387,47 @@ def test_coupled_grpo_on_the_producer_at_max_staleness_0_is_synchronous(tmp_path
                 assert diff.max().item() < 1e-5
             assert trainer._queue is None  # closed with train()
     assert runs["queue"] == runs["sync"]
+
+
+@pytest.mark.parametrize("bad", [None, "", "   ", 7, [], [{"content": "no role"}]])
+def test_a_row_without_a_usable_prompt_is_named_before_any_model_work(tmp_path, tokenizer, prompt_dataset, monkeypatch,
+                                                                      bad):
+    from datasets import Dataset
+
+    from trl import GRPOTrainer
+
+    def trl_init(*args, **kwargs):
+        raise AssertionError("GRPOTrainer.__init__ ran before the refusal")
+
+    monkeypatch.setattr(GRPOTrainer, "__init__", trl_init)
+    prompts = list(prompt_dataset["prompt"])
+    prompts[13] = bad
+    # Arrow holds None and strings in one column; other mixed types need a plain map-style dataset
+    dataset = Dataset.from_dict({"prompt": prompts}) if bad is None or isinstance(bad, str) else _ListDataset(prompts)
+    args = A3POConfig(output_dir=str(tmp_path), **COMMON)
+    with pytest.raises(ValueError, match=r"train_dataset row 13: its 'prompt' is .*not usable as a prompt"):
+        A3POTrainer(model="never-loaded", reward_funcs=digit_reward, args=args, train_dataset=dataset)
+
+
+class _ListDataset(torch.utils.data.Dataset):
+    """A map-style dataset of arbitrary Python prompts (Arrow would refuse a column of mixed types)."""
+
+    column_names = ["prompt"]
+
+    def __init__(self, prompts):
+        self.prompts = prompts
+
+    def __len__(self):
+        return len(self.prompts)
+
+    def __getitem__(self, key):
+        return self.prompts if key == "prompt" else {"prompt": self.prompts[key]}
+
+
+@pytest.mark.parametrize("rows", [0, 1])
+def test_an_empty_or_too_small_dataset_is_refused_with_its_size(tmp_path, prompt_dataset, rows):
+    # 4 samples per step x 2 steps per generation / 4 generations: 2 distinct prompts per generation batch
+    args = A3POConfig(output_dir=str(tmp_path), **{**COMMON, "steps_per_generation": 2})
+    with pytest.raises(ValueError, match=rf"train_dataset has {rows} rows, fewer than the 2 distinct prompts"):
+        A3POTrainer(model="never-loaded", reward_funcs=digit_reward, args=args,
+                    train_dataset=prompt_dataset.select(range(rows)))

@@ -59,6 +59,33 @@ _PEFT_ON_SHARDS = (
 )
 
 
+def _check_train_dataset(config: A3POConfig, dataset) -> None:
+    """Rows without a usable prompt, and a dataset too small for one generation batch, named before any model work
+    (TRL would fail inside the tokenizer naming no row, or train nothing and say nothing)."""
+    if dataset is None or not hasattr(dataset, "__len__") or "prompt" not in (getattr(dataset, "column_names", None)
+                                                                             or []):
+        return  # iterable datasets (refused in async mode) and custom collations: TRL's business
+    needed = config.generation_batch_size // config.num_generations  # distinct prompts in one generation batch
+    if len(dataset) < needed:
+        raise ValueError(
+            f"train_dataset has {len(dataset)} rows, fewer than the {needed} distinct prompts of one generation batch "
+            f"(generation_batch_size {config.generation_batch_size} / num_generations {config.num_generations}): "
+            "nothing could be trained. Use a larger dataset or a smaller per_device_train_batch_size / "
+            "steps_per_generation."
+        )
+    for row, prompt in enumerate(dataset["prompt"]):
+        if isinstance(prompt, str):
+            usable = bool(prompt.strip())
+        else:  # conversational: a non-empty list of {"role", "content"} messages
+            usable = isinstance(prompt, list) and bool(prompt) and all(
+                isinstance(m, dict) and "role" in m and "content" in m for m in prompt)
+        if not usable:
+            raise ValueError(
+                f"train_dataset row {row}: its 'prompt' is {str(prompt)[:100]!r}, not usable as a prompt (a non-empty "
+                "string, or a non-empty list of {'role', 'content'} messages). Fix or drop that row."
+            )
+
+
 def _refuse_multimodal_with_the_decoupled_loss(given: dict) -> None:
     dataset = given.get("train_dataset")
     columns = set(getattr(dataset, "column_names", None) or [])
@@ -179,6 +206,7 @@ class A3POTrainer(GRPOTrainer):
             _refuse_unsupported_async(config, given)
         if config.use_decoupled_loss:
             _refuse_multimodal_with_the_decoupled_loss(given)
+        _check_train_dataset(config, given.get("train_dataset"))
         super().__init__(*args, **kwargs)
         self._prox_timer = _ProxTimer(self.accelerator.device)  # the paper's Figure 1 metric
         self._train_start = time.perf_counter()

@@ -4,7 +4,7 @@ its samples' behaviour versions, and how many samples it checked against the wei
 
     two_process_run.py OUT_DIR sync|async                       in-process generation (async: a producer per rank)
     two_process_run.py OUT_DIR vllm|vllm-lora|vllm-zero3|vllm-nccl-standin PORT MODEL_DIR   one vLLM server for both
-    two_process_run.py OUT_DIR standin-nodev PORT      a stand-in server the start-up probe refuses (the run fails)
+    two_process_run.py OUT_DIR standin|standin-stagefail PORT   a stand-in server set up to fail (the run fails)
 
 `vllm-nccl-standin` replaces TRL's VLLMClient (the NCCL weight transfer, which needs GPUs) with a recorder, to count
 who initialises a communicator and how many pushes reach it; generation still runs on the real server.
@@ -67,10 +67,17 @@ tokenizer = make_tokenizer()
 dataset = Dataset.from_dict({"prompt": [f"Question {i}: what is {i} plus {i + 1}?" for i in range(48)]})
 server = {}
 zero3 = mode.endswith("zero3")  # launched with DeepSpeed ZeRO-3 (tests/scripts/deepspeed_cpu.json)
-if mode == "standin-nodev":  # a stand-in server without dev mode (tests/standin_server.py): the probe refuses it
+if mode.startswith("standin"):  # a stand-in server (tests/standin_server.py) set up to fail; the run must fail
     server = dict(rollout_backend="vllm_server", vllm_server_port=int(sys.argv[3]), weight_sync_transport="disk",
-                  weight_sync_dir=str(out_dir / "weight_sync"))
+                  weight_sync_dir=str(out_dir / "weight_sync"), vllm_server_timeout=3.0)
     model = make_model(make_tokenizer())
+    if mode == "standin-stagefail":  # the main process fails while staging a version (its main thread)
+        from trl_a3po.rollout.vllm_server import VLLMServerBackend
+
+        def failing_stage(self, tensors):
+            raise RuntimeError("staging failed (injected)")
+
+        VLLMServerBackend.stage = failing_stage
 elif mode.startswith("vllm"):
     from transformers import AutoModelForCausalLM
 
