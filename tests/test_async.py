@@ -5,6 +5,7 @@ import signal
 import socket
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -266,6 +267,33 @@ def test_resume_continues_the_order_without_skipping_or_repeating(tmp_path, toke
     # micro-batches after the checkpoint carry exactly the prompts the uninterrupted run trained there
     assert resumed_batches == full_batches[resume_step:]
     assert resumed.state.global_step == 9
+
+
+def test_a_run_killed_mid_step_resumes_from_its_checkpoint_in_the_synchronous_order(tmp_path):
+    # SIGKILL at the end of step 5 (the producer generating ahead), resume from checkpoint-4 in a new process with a
+    # fresh producer: the resumed run trains exactly the micro-batches the uninterrupted run trained after step 4,
+    # nothing twice (beyond the killed step, whose update died with the process) and nothing skipped.
+    import json
+    import subprocess
+    import sys
+
+    script = Path(__file__).resolve().parent / "scripts" / "killed_run.py"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+
+    def run(mode):
+        result = subprocess.run([sys.executable, str(script), str(tmp_path), mode], env=env, capture_output=True,
+                                text=True, timeout=300)
+        return result.returncode, [json.loads(line) for line in (tmp_path / f"{mode}.jsonl").read_text().splitlines()]
+
+    rc, full = run("full")
+    assert rc == 0 and len(full) == 9
+    rc, killed = run("killed")
+    assert rc == -signal.SIGKILL and (tmp_path / "killed" / "checkpoint-4").exists()
+    assert not (tmp_path / "killed" / "checkpoint-6").exists()
+    rc, resumed = run("resumed")
+    assert rc == 0
+    assert killed == full[:5]  # up to the kill: the synchronous order
+    assert resumed == full[4:]  # from the checkpoint on: the same micro-batches, in the same order
 
 
 class _FailingOptimizerStep(TrainerCallback):

@@ -2,8 +2,10 @@
 
 import os
 import shutil
+import signal
 import socket
 import tempfile
+import time
 import threading
 from pathlib import Path
 
@@ -13,9 +15,10 @@ from conftest import digit_reward, make_tokenizer, require_deepspeed
 from test_async import VersionRecorder, check_behaviour_logprobs_against_versions, record_trained_samples
 from test_accelerate import check_ranks_follow_the_synchronous_shards, launch
 from test_trainer import COMMON, logged
-from transformers import AutoModelForCausalLM, Qwen2Config
+from transformers import AutoModelForCausalLM, Qwen2Config, TrainerCallback
 
 from trl_a3po import A3POConfig, A3POTrainer
+from trl_a3po.rollout import ProducerError
 from trl_a3po.rollout.vllm_server import VLLMServerBackend, VLLMServerSetupError, local_vllm_server
 
 REPO = Path(__file__).resolve().parent.parent
@@ -208,3 +211,47 @@ def test_a_real_server_without_dev_mode_is_refused_before_the_first_step(tmp_pat
     shutil.rmtree(workdir, ignore_errors=True)
     assert '"GET /server_info?config_format=json HTTP/1.1" 404' in log
     assert "POST /collective_rpc" not in log and "POST /v1/completions" not in log
+
+
+def kill_server_group(port: int) -> None:
+    """SIGKILL a local_vllm_server's whole process group (API server, engine core), found by its port."""
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            cmdline = (Path("/proc") / pid / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"vllm.entrypoints.openai.api_server" in cmdline and str(port).encode() in cmdline:
+            os.killpg(int(pid), signal.SIGKILL)  # the server leads its own session: its pgid is its pid
+
+
+def test_a_server_killed_mid_run_stops_training_naming_it(tmp_path, vllm_server, prompt_dataset):
+    # The real CPU server, SIGKILLed (process group) after the first optimizer step while the producer generates
+    # ahead: train() raises within 60 s, naming the server; nothing after the kill is trained.
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    workdir = Path(tempfile.mkdtemp(prefix="vllm-", dir="/tmp"))
+
+    class KillAfterFirstStep(TrainerCallback):
+        killed_at = None
+
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == 1:
+                kill_server_group(port)
+                KillAfterFirstStep.killed_at = time.monotonic()
+
+    with local_vllm_server(vllm_python(), str(vllm_server["model_dir"]), port, str(workdir), max_model_len=512,
+                           timeout_s=300, env={"HF_HUB_OFFLINE": "1"}):
+        trainer = make_trainer(tmp_path, {**vllm_server, "port": port}, prompt_dataset, max_steps=6,
+                               steps_per_generation=1, max_staleness=2, weight_sync_transport="disk",
+                               vllm_server_timeout=30.0)
+        trainer.add_callback(KillAfterFirstStep())
+        with pytest.raises(ProducerError, match=rf"vLLM server at 127.0.0.1:{port} went away"):
+            trainer.train()
+        detected_s = time.monotonic() - KillAfterFirstStep.killed_at
+        print(f"killed server detected {detected_s:.1f} s after the kill")  # README "Reliability" (pytest -s)
+        assert detected_s < 60
+        assert trainer.state.global_step <= 2  # the batch already generated before the kill may still train
+    shutil.rmtree(workdir, ignore_errors=True)
