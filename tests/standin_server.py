@@ -21,8 +21,9 @@ class StandinServer:
     ERROR_MESSAGE = "EngineCore encountered an issue: CUDA out of memory (stand-in)"
 
     def __init__(self, completions="ok", dev_mode=True, logprobs_mode="processed_logprobs", weight_transfer=None,
-                 version="0.31.0", stall_s=30.0, restart_at=None, push_fails=False):
+                 version="0.31.0", stall_s=30.0, restart_at=None, push_fails=False, lora=False):
         self.completions, self.dev_mode, self.version = completions, dev_mode, version
+        self.lora = lora  # started with --enable-lora --max-lora-rank 8 and runtime LoRA updating
         self.push_fails = push_fails  # /collective_rpc (the disk transport's reload) answers 500
         self.restart_at = restart_at  # the n-th completions request (1-based) finds a "restarted" server
         self.weight_version = None
@@ -58,7 +59,9 @@ class StandinServer:
                     self._json({"weight_version": standin.weight_version})
                 elif path == "/server_info" and standin.dev_mode:
                     self._json({"vllm_config": {"model_config": {"logprobs_mode": standin.logprobs_mode},
-                                                "weight_transfer_config": standin.weight_transfer}})
+                                                "weight_transfer_config": standin.weight_transfer,
+                                                "lora_config": {"max_lora_rank": 8} if standin.lora else None},
+                                "vllm_env": {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": standin.lora}})
                 else:
                     self._json({"detail": "Not Found"}, 404)
 
@@ -71,6 +74,8 @@ class StandinServer:
                     if standin.completion_requests == standin.restart_at:
                         standin.weight_version = None  # what a restarted server holds: its base weights, no label
                     self._stream(len(body["prompt"]))
+                elif path in ("/v1/load_lora_adapter", "/v1/unload_lora_adapter") and standin.lora:
+                    self._json({})
                 elif path == "/update_weight_version" and standin.dev_mode:
                     standin.weight_version = body["new_version"]
                     self._json({"success": True, "new_version": body["new_version"]})

@@ -1,6 +1,7 @@
 """The vLLM server backend against a stand-in server (loopback): failures are never silent, and the start-up probe
 names what the server lacks before any weight moves. The real CPU server runs in tests/test_vllm_server.py."""
 
+import re
 import time
 
 import pytest
@@ -158,3 +159,60 @@ def test_server_fields_of_grpo_config_reach_the_nccl_client(tmp_path, monkeypatc
         with pytest.raises(VLLMServerSetupError):
             VLLMServerBackend.from_config(args, eos_token_ids=[1])
     assert built == [{"group_port": 51300, "timeout_s": 17.0}]
+
+
+def lora_trainer(server, tmp_path, tokenizer, dataset, lora_weight_sync, **lora_kwargs):
+    from peft import LoraConfig
+
+    args = A3POConfig(output_dir=str(tmp_path), rollout_backend="vllm_server", vllm_server_port=server.port,
+                      weight_sync_transport="disk", lora_weight_sync=lora_weight_sync, **{**COMMON, "max_steps": 2})
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0, **lora_kwargs)
+    return A3POTrainer(model=make_model(tokenizer), reward_funcs=digit_reward, args=args, train_dataset=dataset,
+                       processing_class=tokenizer, peft_config=config)
+
+
+@pytest.mark.parametrize(
+    "server_lora,lora_kwargs,reason",
+    [
+        (False, {}, r"lacks --enable-lora, VLLM_ALLOW_RUNTIME_LORA_UPDATING=True"),
+        (True, {"rank_pattern": {"q_proj": 8}}, r"has LoRA with a per-module rank_pattern"),
+    ],
+)
+def test_auto_falls_back_to_merged_weights_with_the_reason_logged(tmp_path, tokenizer, prompt_dataset, caplog,
+                                                                    server_lora, lora_kwargs, reason):
+    with StandinServer(lora=server_lora) as server, caplog.at_level("WARNING"):
+        trainer = lora_trainer(server, tmp_path, tokenizer, prompt_dataset, "auto", **lora_kwargs)
+        trainer.train()
+    assert re.search(r"lora_weight_sync='auto': sending merged weights, .*" + reason, caplog.text), caplog.text
+    assert not trainer._sends_adapter
+    assert "/collective_rpc" in server.paths and "/v1/load_lora_adapter" not in server.paths
+
+
+def test_auto_sends_the_adapter_where_the_server_serves_it(tmp_path, tokenizer, prompt_dataset):
+    with StandinServer(lora=True) as server:
+        trainer = lora_trainer(server, tmp_path, tokenizer, prompt_dataset, "auto")
+        trainer.train()
+    assert trainer._sends_adapter
+    assert "/v1/load_lora_adapter" in server.paths and "/collective_rpc" not in server.paths
+
+
+def test_adapter_sync_refuses_a_server_without_runtime_lora(tmp_path, tokenizer, prompt_dataset):
+    with StandinServer(lora=False) as server:
+        trainer = lora_trainer(server, tmp_path, tokenizer, prompt_dataset, "adapter")
+        with pytest.raises(VLLMServerSetupError, match=r"cannot load LoRA adapters at run time. Restart it with "
+                                                       r"--enable-lora, VLLM_ALLOW_RUNTIME_LORA_UPDATING=True"):
+            trainer.train()
+        assert trainer.state.global_step == 0
+
+
+def test_adapter_sync_refuses_an_unservable_lora_before_any_model_work(tmp_path, tokenizer, prompt_dataset,
+                                                                        monkeypatch):
+    from trl import GRPOTrainer
+
+    def trl_init(*args, **kwargs):
+        raise AssertionError("GRPOTrainer.__init__ ran before the refusal")
+
+    monkeypatch.setattr(GRPOTrainer, "__init__", trl_init)
+    with StandinServer(lora=True) as server, pytest.raises(
+            ValueError, match=r"lora_weight_sync='adapter' cannot serve LoRA with a per-module rank_pattern"):
+        lora_trainer(server, tmp_path, tokenizer, prompt_dataset, "adapter", rank_pattern={"q_proj": 8})

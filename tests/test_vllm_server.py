@@ -68,6 +68,20 @@ def vllm_server(tmp_path_factory):
 NCCL_SERVER_ARGS = ("--weight-transfer-config", '{"backend": "nccl"}')
 
 
+@pytest.fixture(scope="module")
+def vllm_lora_server(vllm_server):
+    """A second server of the same model that loads LoRA adapters at run time (lora_weight_sync='adapter')."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    workdir = Path(tempfile.mkdtemp(prefix="vllm-", dir="/tmp"))  # engine sockets: a short path
+    with local_vllm_server(vllm_python(), str(vllm_server["model_dir"]), port, str(workdir), max_model_len=512,
+                           timeout_s=300, env={"HF_HUB_OFFLINE": "1", "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"},
+                           extra_args=("--enable-lora", "--max-lora-rank", "8", "--max-loras", "2")):
+        yield {**vllm_server, "port": port, "log": workdir / "server.log"}
+    shutil.rmtree(workdir, ignore_errors=True)
+
+
 def make_trainer(tmp_path, server, prompt_dataset, **kwargs):
     args = A3POConfig(output_dir=str(tmp_path), rollout_backend="vllm_server", vllm_server_port=server["port"],
                       **{**COMMON, **kwargs})
@@ -303,3 +317,61 @@ def test_a_server_restarted_mid_run_never_trains_a_mislabelled_sample(tmp_path, 
     else:
         assert f"127.0.0.1:{port}" in failure
         assert "went away" in failure or "holds weights labelled" in failure, failure
+
+
+def adapter_traffic(log: str) -> dict:
+    """From a server's access log: adapters loaded, the most registered at once, and base-weight reloads."""
+    registered = most = loads = 0
+    for line in log.splitlines():
+        if '"POST /v1/load_lora_adapter HTTP/1.1" 200' in line:
+            loads += 1
+            registered += 1
+            most = max(most, registered)
+        elif '"POST /v1/unload_lora_adapter HTTP/1.1" 200' in line:
+            registered -= 1
+    return {"loads": loads, "most_at_once": most, "base_reloads": log.count("POST /collective_rpc")}
+
+
+LORA = dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
+
+
+def test_lora_adapter_sync_loads_one_adapter_per_version_and_never_the_base_weights(tmp_path, vllm_lora_server,
+                                                                                     prompt_dataset):
+    from peft import LoraConfig
+
+    server = vllm_lora_server
+    before = adapter_traffic(server["log"].read_text())
+    args = A3POConfig(output_dir=str(tmp_path), rollout_backend="vllm_server", vllm_server_port=server["port"],
+                      lora_weight_sync="adapter", weight_sync_transport="disk",
+                      **{**COMMON, "steps_per_generation": 2, "max_steps": 8, "max_staleness": 2,
+                         "learning_rate": 1e-2})
+    model = AutoModelForCausalLM.from_pretrained(server["model_dir"], dtype=torch.float32)
+    trainer = A3POTrainer(model=model, reward_funcs=digit_reward, args=args, train_dataset=prompt_dataset,
+                          processing_class=server["tokenizer"], peft_config=LoraConfig(**LORA))
+    versions = VersionRecorder(trainer)
+    trainer.add_callback(versions)
+    samples = record_trained_samples(trainer)
+    trainer.train()
+    traffic = adapter_traffic(server["log"].read_text())
+    behaviour_versions = {int(v) for inputs in samples for v in inputs["behavior_version"]}
+    assert len(behaviour_versions) >= 2
+    assert traffic["loads"] - before["loads"] == len(behaviour_versions)  # one adapter per version used
+    assert traffic["base_reloads"] == before["base_reloads"] == 0  # the base weights never move
+    assert traffic["most_at_once"] <= args.max_staleness + 2
+    # every sample's behaviour log-probs = base model + the adapter of its recorded version
+    assert check_behaviour_logprobs_against_versions(trainer, versions, samples, atol=1e-3) == 8 * 4
+    assert trainer._sends_adapter
+
+
+def test_two_processes_share_a_lora_server_with_one_adapter_per_version(tmp_path, vllm_lora_server,
+                                                                         synchronous_shards):
+    server = vllm_lora_server
+    before = adapter_traffic(server["log"].read_text())
+    ranks = launch(tmp_path, "vllm-lora-adapter", server["port"], server["model_dir"])
+    traffic = adapter_traffic(server["log"].read_text())
+    check_ranks_follow_the_synchronous_shards(synchronous_shards, ranks)
+    for rank in range(2):
+        assert ranks[rank]["checked"] == 16  # every sample against base + its version's adapter
+    versions = set(ranks[0]["behaviour_versions"]) | set(ranks[1]["behaviour_versions"])
+    assert traffic["loads"] - before["loads"] == len(versions) >= 2
+    assert traffic["base_reloads"] == 0 and traffic["most_at_once"] <= 2 + 2

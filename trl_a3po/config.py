@@ -12,6 +12,7 @@ from .proximal import BEHAV_WEIGHT_LEVELS, BEHAV_WEIGHT_MODES
 PROX_LOGP_METHODS = ("loglinear", "recompute", "metrics")
 ROLLOUT_BACKENDS = ("inprocess", "vllm_server")
 WEIGHT_SYNC_TRANSPORTS = ("auto", "nccl", "disk")
+LORA_WEIGHT_SYNCS = ("auto", "adapter", "merged")
 # Loss types whose per-token objective is the clipped surrogate min(r*A, clip(r)*A); they differ only in how tokens
 # are aggregated, so the decoupled loss can keep TRL's aggregation for each of them.
 DECOUPLED_LOSS_TYPES = ("dapo", "grpo", "dr_grpo", "bnpo")
@@ -147,6 +148,19 @@ class A3POConfig(GRPOConfig):
             "choices": list(WEIGHT_SYNC_TRANSPORTS),
         },
     )
+    lora_weight_sync: str = field(
+        default="auto",
+        metadata={
+            "help": "With a PEFT LoRA policy and rollout_backend='vllm_server': what each version sends to the server. "
+            "`adapter`: the adapter alone (MBs instead of the whole model), loaded as a new LoRA named after the "
+            "version (`/v1/load_lora_adapter`, from a folder under weight_sync_dir, also with the nccl transport: vLLM "
+            "loads adapters from files); requests name it, older ones are unloaded. Needs the server started with "
+            "--enable-lora, --max-lora-rank >= r and VLLM_ALLOW_RUNTIME_LORA_UPDATING=True (checked at start-up). "
+            "`merged`: the merged weights W + scale * B @ A. `auto`: adapter where the server and the LoRA config "
+            "allow it, else merged, with the reason logged once. In-process generation always merges.",
+            "choices": list(LORA_WEIGHT_SYNCS),
+        },
+    )
     weight_sync_dir: str | None = field(
         default=None,
         metadata={"help": "Folder for the `disk` transport, readable by the server. None = <output_dir>/weight_sync."},
@@ -271,6 +285,15 @@ class A3POConfig(GRPOConfig):
             raise ValueError(
                 f"weight_sync_transport={self.weight_sync_transport!r} is not supported; use one of "
                 f"{WEIGHT_SYNC_TRANSPORTS}."
+            )
+        if self.lora_weight_sync not in LORA_WEIGHT_SYNCS:
+            raise ValueError(f"lora_weight_sync={self.lora_weight_sync!r} is not supported; use one of "
+                             f"{LORA_WEIGHT_SYNCS}.")
+        if self.lora_weight_sync == "adapter" and self.rollout_backend != "vllm_server":
+            raise ValueError(
+                "lora_weight_sync='adapter' sends LoRA adapters to a vLLM server; with rollout_backend="
+                f"{self.rollout_backend!r} the generator always runs the merged weights: set lora_weight_sync='auto' "
+                "(or 'merged'), or rollout_backend='vllm_server'."
             )
         if self.weight_sync_steps < 1:
             raise ValueError(f"weight_sync_steps={self.weight_sync_steps} must be >= 1.")

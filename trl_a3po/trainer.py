@@ -138,6 +138,13 @@ def _refuse_unsupported_async(config: A3POConfig, given: dict) -> None:
     if sharded and (given.get("peft_config") is not None or peft_model):
         raise ValueError(_PEFT_ON_SHARDS)
     peft_config = given.get("peft_config") or (model.peft_config if peft_model else None)
+    if peft_config is not None and config.lora_weight_sync == "adapter":
+        from .rollout.vllm_server import adapter_unservable_reason
+
+        reason = adapter_unservable_reason(peft_config if isinstance(peft_config, dict) else {"default": peft_config})
+        if reason:
+            raise ValueError(f"lora_weight_sync='adapter' cannot serve {reason}; set lora_weight_sync='auto' (merged "
+                             "weights for such a policy) or 'merged'.")
     unservable = _adapter_the_generator_cannot_run(peft_config) if peft_config is not None else None
     if unservable:
         raise ValueError(
@@ -218,6 +225,7 @@ class A3POTrainer(GRPOTrainer):
         self._prompt_plans = None  # per process served: iterator over its future generation batches, sampler order
         self._submitted = 0  # generation batches handed to the producer so far
         self._taken_versions: list[int] | None = None  # behaviour versions of the batch being scored
+        self._sends_adapter = False  # the vLLM server gets the LoRA adapter alone (lora_weight_sync)
         if self.args.async_generation:
             # The authoritative check, now that Accelerate knows the distributed setup (the early one reads env vars).
             if (self._dist.is_zero3 or self._dist.is_fsdp) and is_peft_model(self.accelerator.unwrap_model(self.model)):
@@ -322,10 +330,25 @@ class A3POTrainer(GRPOTrainer):
         else:
             from .rollout.vllm_server import VLLMServerBackend
 
-            backend = VLLMServerBackend.from_config(self.args, list(self.eos_token_ids))
+            model = self.accelerator.unwrap_model(self.model)
+            backend = VLLMServerBackend.from_config(self.args, list(self.eos_token_ids),
+                                                    peft_configs=model.peft_config if is_peft_model(model) else None)
+            self._sends_adapter = backend.sync_mode == "adapter"
             served = list(range(self.accelerator.num_processes))
         self._queue = GenerationQueue(backend, sync_every=self.args.weight_sync_steps)
         self._prompt_plans = [self._generation_batches(start, p) for p in served]
+
+    @contextlib.contextmanager
+    def _generator_tensors(self):
+        """What the generator loads for a version: the LoRA adapter's own tensors (PEFT's saved form) when it is sent
+        to the server as an adapter, else the whole merged weights."""
+        if self._sends_adapter:
+            from peft import get_peft_model_state_dict
+
+            yield get_peft_model_state_dict(self.accelerator.unwrap_model(self.model))
+        else:
+            with self._full_policy_tensors() as tensors:
+                yield tensors
 
     @contextlib.contextmanager
     def _full_policy_tensors(self):
@@ -378,7 +401,7 @@ class A3POTrainer(GRPOTrainer):
             # them here, on the main thread of every process (gathering sharded parameters is a collective), then
             # hand the producer every batch the staleness bound now allows.
             if self._queue is not None or self._dist.is_zero3 or self._dist.is_fsdp:  # the gather needs every process
-                with self._full_policy_tensors() as tensors:
+                with self._generator_tensors() as tensors:
                     if self._queue is not None:
                         self._queue.publish(version, tensors)
             start = time.perf_counter()

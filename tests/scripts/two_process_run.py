@@ -3,7 +3,8 @@ steps on a tiny model; each rank writes OUT_DIR/<mode>-rank<r>.json with the pro
 its samples' behaviour versions, and how many samples it checked against the weights of their recorded version.
 
     two_process_run.py OUT_DIR sync|async                       in-process generation (async: a producer per rank)
-    two_process_run.py OUT_DIR vllm|vllm-lora|vllm-zero3|vllm-nccl-standin PORT MODEL_DIR   one vLLM server for both
+    two_process_run.py OUT_DIR vllm|vllm-lora|vllm-lora-adapter|vllm-zero3|vllm-nccl-standin PORT MODEL_DIR
+                                                                 one vLLM server for both ranks
     two_process_run.py OUT_DIR standin|standin-stagefail PORT   a stand-in server set up to fail (the run fails)
 
 `vllm-nccl-standin` replaces TRL's VLLMClient (the NCCL weight transfer, which needs GPUs) with a recorder, to count
@@ -85,7 +86,8 @@ elif mode.startswith("vllm"):
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     server = dict(rollout_backend="vllm_server", vllm_server_port=port,
                   weight_sync_transport="nccl" if mode == "vllm-nccl-standin" else "disk",
-                  weight_sync_dir=str(out_dir / "weight_sync"))
+                  weight_sync_dir=str(out_dir / "weight_sync"),
+                  lora_weight_sync="adapter" if mode == "vllm-lora-adapter" else "merged")
     if mode == "vllm-nccl-standin":
         import trl.generation.vllm_client
 
@@ -105,7 +107,7 @@ args = A3POConfig(
     **({"ddp_backend": "gloo"} if zero3 else {}),
 )
 peft_config = None
-if mode == "vllm-lora":  # the server receives the merged weights (W + scale * B @ A) of each version
+if mode.startswith("vllm-lora"):  # the server receives the merged weights (W + scale * B @ A) or the adapter
     from peft import LoraConfig
 
     peft_config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)

@@ -15,7 +15,9 @@ from __future__ import annotations
 import contextlib
 import importlib.metadata
 import json
+import logging
 import os
+import shutil
 import signal
 import subprocess
 import threading
@@ -28,6 +30,8 @@ import requests
 import torch
 
 from .staging import StagedWeights, stage_copy, wait_until_staged
+
+logger = logging.getLogger(__name__)
 
 
 # What a server must be started with: the shape of every command in the README and recipes, which the start-up
@@ -66,6 +70,21 @@ def _version_tuple(version: str) -> tuple[int, int]:
     return int(major), int("".join(ch for ch in minor if ch.isdigit()) or 0)
 
 
+def adapter_unservable_reason(peft_configs: dict) -> str | None:
+    """Why a PEFT policy cannot be served as a LoRA adapter by vLLM (then its merged weights are sent), or None."""
+    if len(peft_configs) != 1:
+        return f"{len(peft_configs)} adapters (vLLM serves one LoRA per request)"
+    (config,) = peft_configs.values()
+    for field_name, what in (("modules_to_save", "modules_to_save (fully trained modules are not a LoRA)"),
+                             ("rank_pattern", "a per-module rank_pattern"), ("alpha_pattern", "a per-module "
+                             "alpha_pattern"), ("layers_to_transform", "layers_to_transform"),
+                             ("target_parameters", "target_parameters"),
+                             ("trainable_token_indices", "trainable_token_indices")):
+        if getattr(config, field_name, None):
+            return f"LoRA with {what}, which vLLM's LoRA loader does not take"
+    return None
+
+
 class VLLMServerBackend:
     """Completions from a vLLM server for the producer; `load` pushes a published version's weights to the server.
 
@@ -81,7 +100,9 @@ class VLLMServerBackend:
     """
 
     def __init__(self, base_url: str, transport, sampling: dict, timeout_s: float = 240.0,
-                 connect_timeout_s: float = 5.0):
+                 connect_timeout_s: float = 5.0, lora: dict | None = None):
+        """`lora`: for a PEFT LoRA policy, {"config": its LoraConfig, "sync": "adapter" | "auto", "folder": where the
+        server reads adapters}; None sends merged weights."""
         self.base_url = base_url.rstrip("/")
         parsed = urlparse(self.base_url)
         self.where = f"{parsed.hostname}:{parsed.port}"
@@ -99,6 +120,8 @@ class VLLMServerBackend:
                 "vllm_server_base_url."
             ) from error
         self.model = self._request("reading the model list", "GET", "/v1/models")["data"][0]["id"]
+        self.lora = lora  # None after the probe unless adapters are sent
+        self._adapters: list[str] = []  # loaded on the server, oldest first; requests name the last
         # Each push labels the server's weights (vLLM's weight version) with this run's id and a push count; the
         # label is read back after every generation, so a server that restarted (base weights again) or was loaded
         # by someone else is caught before any of its completions is trained under this run's version.
@@ -107,10 +130,12 @@ class VLLMServerBackend:
         self._weight_label: str | None = None  # what the server must hold; None before the first push
         self._labels = True  # the server has /weight_info (vLLM >= 0.2x); probed
         self._probe()
-        self.transport.connect(self)
+        if self.lora is None:  # adapters travel through files: no communicator for them
+            self.transport.connect(self)
 
     @classmethod
-    def from_config(cls, args, eos_token_ids: list[int]) -> VLLMServerBackend:
+    def from_config(cls, args, eos_token_ids: list[int], peft_configs: dict | None = None) -> VLLMServerBackend:
+        """`peft_configs`: the policy's PEFT configs when it is a PEFT model (lora_weight_sync decides what moves)."""
         base_url = args.vllm_server_base_url or f"http://{args.vllm_server_host}:{args.vllm_server_port}"
         transport_name = args.weight_sync_transport
         if transport_name == "auto":
@@ -129,7 +154,23 @@ class VLLMServerBackend:
             "stop_token_ids": eos_token_ids,
             **(args.generation_kwargs or {}),
         }
-        return cls(base_url, transport, sampling, timeout_s=args.vllm_server_timeout)
+        lora = None
+        if peft_configs and args.lora_weight_sync != "merged":
+            reason = adapter_unservable_reason(peft_configs)
+            if reason is None:
+                (config,) = peft_configs.values()
+                folder = os.path.join(args.weight_sync_dir or os.path.join(args.output_dir, "weight_sync"), "adapters")
+                lora = {"config": config, "sync": args.lora_weight_sync, "folder": os.path.abspath(folder)}
+            elif args.lora_weight_sync == "adapter":  # before any model work, __init__ refused this already
+                raise VLLMServerSetupError(f"lora_weight_sync='adapter' cannot serve {reason}.")
+            else:
+                logger.warning("lora_weight_sync='auto': sending merged weights, the policy has %s.", reason)
+        return cls(base_url, transport, sampling, timeout_s=args.vllm_server_timeout, lora=lora)
+
+    @property
+    def sync_mode(self) -> str:
+        """What each version sends: "adapter" (the LoRA alone) or "merged" (whole weights)."""
+        return "adapter" if self.lora is not None else "merged"
 
     def server_command(self) -> str:
         return SERVER_COMMAND.format(port=urlparse(self.base_url).port,
@@ -146,7 +187,12 @@ class VLLMServerBackend:
         if response.status_code != 200:
             raise VLLMServerError(f"The vLLM server at {self.where} failed while {doing}: {method} {path} answered "
                                   f"{response.status_code} {response.text[:500]}")
-        return response.json() if response.content else {}  # some routes answer an empty body (vLLM < 0.26)
+        if not response.content:  # some routes answer an empty body (vLLM < 0.26)
+            return {}
+        try:
+            return response.json()
+        except ValueError:  # the LoRA routes answer plain text
+            return {"text": response.text}
 
     def post(self, path: str, payload: dict | None = None, doing: str | None = None) -> dict:
         return self._request(doing or f"calling {path}", "POST", path, json=payload)
@@ -187,20 +233,51 @@ class VLLMServerBackend:
                 f"processed_logprobs: {self.server_command()}"
             )
         server_version = self._request("reading its version", "GET", "/version").get("version", "unknown")
-        self.transport.check_server(self, config, server_version)
+        if self.lora is not None:
+            self._probe_lora(config, response.json().get("vllm_env") or {})
+        if self.lora is None:  # whole weights move: the transport's own requirements
+            self.transport.check_server(self, config, server_version)
         if self.session.get(f"{self.base_url}/weight_info", timeout=self.timeout).status_code == 404:
             self._labels = False
             warnings.warn(f"The vLLM server at {self.where} (vLLM {server_version}) has no /weight_info route: a "
                           "restart of the server during training cannot be detected. Use vLLM >= 0.31.", stacklevel=2)
 
+    def _probe_lora(self, config: dict, env: dict) -> None:
+        rank = self.lora["config"].r
+        lora_config = config.get("lora_config") or {}
+        missing = []
+        if not lora_config:
+            missing.append("--enable-lora")
+        elif int(lora_config.get("max_lora_rank") or 0) < rank:
+            missing.append(f"--max-lora-rank {rank} (it has {lora_config.get('max_lora_rank')})")
+        if str(env.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "")).lower() not in ("true", "1"):
+            missing.append("VLLM_ALLOW_RUNTIME_LORA_UPDATING=True in its environment (adapters loaded at run time)")
+        if not missing:
+            return
+        fix = ", ".join(missing)
+        if self.lora["sync"] == "adapter":
+            raise VLLMServerSetupError(
+                f"lora_weight_sync='adapter': the vLLM server at {self.where} cannot load LoRA adapters at run time. "
+                f"Restart it with {fix}: VLLM_ALLOW_RUNTIME_LORA_UPDATING=True {self.server_command()} --enable-lora "
+                f"--max-lora-rank {max(rank, 8)}; or set lora_weight_sync='merged'."
+            )
+        logger.warning("lora_weight_sync='auto': sending merged weights, the vLLM server at %s lacks %s.",
+                       self.where, fix)
+        self.lora = None
+
     # -------------------------------------------------------------- backend interface
 
     def stage(self, tensors: dict[str, torch.Tensor]) -> StagedWeights:
+        if self.lora is not None:  # the adapter's tensors go through a folder: CPU copies
+            return DiskTransport.stage(tensors)
         return self.transport.stage(tensors)
 
     def load(self, staged: StagedWeights) -> float:
         """Push a staged version to the server; return the seconds it took."""
         start = time.perf_counter()
+        if self.lora is not None:
+            self._load_adapter(staged)
+            return time.perf_counter() - start
         self.transport.push(self, staged)
         self._pushes += 1
         if self._labels:
@@ -208,6 +285,31 @@ class VLLMServerBackend:
             self.post("/update_weight_version", {"new_version": label}, doing="labelling the pushed weights")
             self._weight_label = label
         return time.perf_counter() - start
+
+    def _load_adapter(self, staged: StagedWeights) -> None:
+        """The version's adapter as a new LoRA on the server (a folder in PEFT's format, then /v1/load_lora_adapter);
+        the base weights never move. Older adapters are unloaded once the new one is in: the producer generates with
+        the newest only, so at most two are loaded at any moment."""
+        from safetensors.torch import save_file
+
+        name = f"a3po-{self._run_id}-v{self._pushes + 1}"
+        folder = os.path.join(self.lora["folder"], name)
+        os.makedirs(folder, exist_ok=True)
+        self.lora["config"].save_pretrained(folder)  # adapter_config.json
+        save_file(staged.tensors, os.path.join(folder, "adapter_model.safetensors"))
+        self.post("/v1/load_lora_adapter", {"lora_name": name, "lora_path": folder},
+                  doing=f"loading adapter {name}")
+        self._pushes += 1
+        self._adapters.append(name)
+        while len(self._adapters) > 1:
+            old = self._adapters.pop(0)
+            self.post("/v1/unload_lora_adapter", {"lora_name": old}, doing=f"unloading adapter {old}")
+            shutil.rmtree(os.path.join(self.lora["folder"], old), ignore_errors=True)
+
+    @property
+    def served_model(self) -> str:
+        """The name requests use: the newest adapter, or the server's model."""
+        return self._adapters[-1] if self._adapters else self.model
 
     def _check_weights_unchanged(self, doing: str) -> None:
         if self._weight_label is None:
@@ -223,7 +325,7 @@ class VLLMServerBackend:
 
     def generate(self, prompt_ids: list[list[int]], stop: threading.Event):
         payload = {
-            "model": self.model,
+            "model": self.served_model,
             "prompt": prompt_ids,
             "n": 1,
             "logprobs": 0,
