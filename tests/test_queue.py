@@ -208,3 +208,48 @@ def test_the_trainer_never_blocks_the_producer_outside_a_reference_swap():
     finally:
         release.set()
         queue.close()
+
+
+def test_close_leaves_the_backend_open_under_a_producer_that_does_not_stop():
+    # A producer stuck inside a server call that ignores the stop event: closing the backend under it would pull its
+    # connection away mid-call. close() warns, naming what the producer is doing, and leaves the backend alone.
+    release = threading.Event()
+
+    class Stuck(FakeBackend):
+        def generate(self, prompt_ids, stop):
+            release.wait(30)
+            return super().generate(prompt_ids, stop)
+
+    backend = Stuck()
+    queue = GenerationQueue(backend)
+    queue.publish(0, weights(0))
+    queue.submit(0, [[1]], min_version=0)
+    time.sleep(0.2)  # the producer is inside generate
+    with pytest.warns(RuntimeWarning, match=r"did not stop within 0.5 s \(it is generating batch 0 with version 0\)"):
+        queue.close(timeout=0.5)
+    assert not backend.closed
+    release.set()
+
+
+def test_an_error_closing_the_queue_never_replaces_the_error_that_ended_training(tmp_path, tokenizer, prompt_dataset,
+                                                                                  monkeypatch):
+    from conftest import digit_reward, make_model
+    from test_trainer import COMMON
+
+    from trl_a3po import A3POConfig, A3POTrainer
+    from trl_a3po.rollout import InProcessBackend
+
+    def failing_close(self):
+        raise OSError("closing the backend failed too")
+
+    def failing_step(*args, **kwargs):
+        raise RuntimeError("the error that ended training")
+
+    monkeypatch.setattr(InProcessBackend, "close", failing_close)
+    args = A3POConfig(output_dir=str(tmp_path), **{**COMMON, "max_steps": 2})
+    trainer = A3POTrainer(model=make_model(tokenizer), reward_funcs=digit_reward, args=args,
+                          train_dataset=prompt_dataset, processing_class=tokenizer)
+    monkeypatch.setattr(trainer, "_compute_loss", failing_step)
+    with pytest.warns(RuntimeWarning, match="closing the generation queue also failed: OSError"), \
+            pytest.raises(RuntimeError, match="the error that ended training"):
+        trainer.train()
