@@ -51,7 +51,7 @@ def record_microbatches(trainer):
     return seen
 
 
-@pytest.mark.parametrize("steps_per_generation,max_staleness", [(1, None), (3, None), (2, 3)])
+@pytest.mark.parametrize("steps_per_generation,max_staleness", [(1, None), (3, 1), (2, 3)])
 def test_async_trains_the_synchronous_prompt_order_within_the_bound(tmp_path, tokenizer, prompt_dataset,
                                                                     steps_per_generation, max_staleness):
     runs = {}
@@ -65,7 +65,7 @@ def test_async_trains_the_synchronous_prompt_order_within_the_bound(tmp_path, to
     assert runs["async"][0] == runs["sync"][0]  # same prompts, same batches, same order: nothing dropped or repeated
     trainer = runs["async"][1]
     eta = trainer.args.max_staleness
-    assert eta == (max_staleness or 1)
+    assert eta == (max_staleness or 2)
     staleness_max = logged(trainer, "a3po/staleness/max")
     assert len(staleness_max) == trainer.state.global_step and max(staleness_max) <= eta
     # histogram inputs: per step, the shares of samples at staleness 0..eta sum to 1 and match the mean
@@ -110,6 +110,17 @@ def test_async_max_staleness_2_uses_alpha_one_half(tmp_path, tokenizer, prompt_d
     for d, alpha in zip(logged(trainer, "a3po/staleness/mean"), logged(trainer, "a3po/alpha/mean")):
         assert alpha == {0: 1.0, 1: 1.0, 2: 0.5}[d]
     assert 2 in alphas_used
+
+
+def test_a_default_async_run_engages_the_a3po_approximation(tmp_path, tokenizer, prompt_dataset):
+    # A-3PO on by default: max_staleness resolves to 2, and steps trained at staleness 2 use alpha 1/2 (< 1).
+    trainer = make(tmp_path, tokenizer, prompt_dataset, steps_per_generation=2, max_steps=12)
+    assert trainer.args.max_staleness == 2
+    trainer.train()
+    pairs = list(zip(logged(trainer, "a3po/staleness/mean"), logged(trainer, "a3po/alpha/mean")))
+    assert any(d == 2 for d, _ in pairs), pairs  # the producer ran two versions ahead
+    for d, alpha in pairs:
+        assert alpha == (0.5 if d == 2 else 1.0)
 
 
 class VersionRecorder(TrainerCallback):

@@ -77,9 +77,9 @@ def test_staleness_bound_defaults_and_limits(tmp_path):
     # max_staleness counts policy versions (training steps), whatever the optimizer steps per generation batch
     for kwargs in (dict(), dict(steps_per_generation=3), dict(gradient_accumulation_steps=4, steps_per_generation=16),
                    dict(num_iterations=2, steps_per_generation=2)):
-        assert make(tmp_path, **kwargs).max_staleness == 1  # asynchronous: one generation batch ahead
+        assert make(tmp_path, **kwargs).max_staleness == 2  # asynchronous: where loglinear's alpha < 1 engages
         assert make(tmp_path, async_generation=False, **kwargs).max_staleness == 0
-    assert make(tmp_path, max_staleness=2).max_staleness == 2
+    assert make(tmp_path, max_staleness=1).max_staleness == 1
     with pytest.warns(UserWarning, match="max_staleness=0 leaves no room to generate ahead"):
         make(tmp_path, max_staleness=0)
     with pytest.raises(ValueError, match=r"max_staleness=-1 must be >= 0"):
@@ -95,14 +95,14 @@ def test_a_generation_batch_must_end_on_an_optimizer_step(tmp_path, kwargs):
     # the coupled loss has no versions: TRL's own layouts stay available
     assert make(tmp_path, use_decoupled_loss=False, **kwargs).steps_per_generation == kwargs["steps_per_generation"]
     # num_iterations counts: 3 x 2 = 6 micro-batches end on the third optimizer step of 2 micro-batches each
-    assert make(tmp_path, gradient_accumulation_steps=2, steps_per_generation=3, num_iterations=2).max_staleness == 1
+    assert make(tmp_path, gradient_accumulation_steps=2, steps_per_generation=3, num_iterations=2).max_staleness == 2
 
 
 @pytest.mark.parametrize(
     "kwargs,pattern",
     [
-        (dict(async_generation=True, use_decoupled_loss=False), r"max_staleness=1 .*coupled GRPO loss"),
-        (dict(async_generation=True, use_decoupled_loss=False, max_staleness=2), r"or\s+max_staleness=0"),
+        (dict(async_generation=True, use_decoupled_loss=False), r"max_staleness=2 .*coupled GRPO loss"),
+        (dict(async_generation=True, use_decoupled_loss=False, max_staleness=1), r"or\s+max_staleness=0"),
         # the producer counts policy versions, with the coupled loss too
         (dict(async_generation=True, use_decoupled_loss=False, max_staleness=0, steps_per_generation=3,
               gradient_accumulation_steps=2), r"must be a multiple of\s+gradient_accumulation_steps"),

@@ -115,10 +115,11 @@ class A3POConfig(GRPOConfig):
         metadata={
             "help": "eta: the largest staleness any sample may be trained with, in policy versions (training steps: "
             "one generation batch consumed by all its optimizer steps). The producer generates batch k only with "
-            "weights of version >= k - eta; it waits rather than exceed the bound, and nothing is dropped. None = 1 "
-            "with async_generation (the smallest value that overlaps generation with training: the next batch is "
-            "generated while this one trains), 0 without. At staleness <= 1 loglinear's alpha is 1 (the proximal "
-            "policy is the behaviour policy), so the A-3PO approximation itself engages from staleness 2."
+            "weights of version >= k - eta; it waits rather than exceed the bound, and nothing is dropped. None = 2 "
+            "with async_generation, 0 without. 2 because at staleness <= 1 loglinear's alpha is 1 (the proximal "
+            "policy is the behaviour policy): the A-3PO approximation engages from staleness 2 (alpha 1/2), as in "
+            "AReaL's GSM8K A-3PO example. 1 is the lowest-latency choice that still overlaps generation with "
+            "training (the next batch is generated while this one trains)."
         },
     )
     rollout_backend: str = field(
@@ -298,7 +299,7 @@ class A3POConfig(GRPOConfig):
         if self.weight_sync_steps < 1:
             raise ValueError(f"weight_sync_steps={self.weight_sync_steps} must be >= 1.")
         if self.max_staleness is None:
-            self.max_staleness = 1 if self.async_generation else 0
+            self.max_staleness = 2 if self.async_generation else 0
         if self.max_staleness < 0:
             raise ValueError(f"max_staleness={self.max_staleness} must be >= 0 (policy versions).")
         if self.async_generation and self.max_staleness == 0 and self.use_decoupled_loss:
