@@ -361,3 +361,25 @@ def test_behaviour_weight_options_train(tmp_path, tokenizer, prompt_dataset, mod
     if mode == "truncate":  # truncated weights stay inside the bounds
         assert max(logged(trainer, "a3po/behav_imp_weight/max")) <= high + 1e-6
         assert min(logged(trainer, "a3po/behav_imp_weight/min")) >= low - 1e-6
+
+
+def test_without_args_a3po_trainer_builds_trains_and_cites_the_paper(tmp_path, tokenizer, prompt_dataset,
+                                                                     monkeypatch):
+    # TRL's convention: no `args` gives a config named after the model. Unlike GRPOTrainer's default (bf16, which
+    # fails on a machine without a bf16 GPU), the precision follows the hardware; the model card cites A-3PO.
+    model_dir = tmp_path / "tiny-policy"
+    make_model(tokenizer).save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
+    monkeypatch.chdir(tmp_path)  # the default output_dir is relative
+    trainer = A3POTrainer(model=str(model_dir), reward_funcs=digit_reward, train_dataset=prompt_dataset)
+    assert isinstance(trainer.args, A3POConfig) and trainer.args.output_dir.endswith("tiny-policy-A3PO")
+    assert trainer.args.bf16 is (torch.cuda.is_available() and torch.cuda.is_bf16_supported())
+    assert trainer.args.max_staleness == 2 and trainer.args.async_generation
+    trainer.args.max_steps, trainer.args.report_to = 2, []  # train a little, not the default 3 epochs
+    trainer.train()
+    assert trainer.state.global_step == 2
+    trainer.create_model_card()
+    card = (tmp_path / "tiny-policy-A3PO" / "README.md").read_text()
+    assert "A-3PO: Accelerating Asynchronous LLM Training with Staleness-aware Proximal Policy Approximation" in card
+    assert "2512.06547" in card and "@article{li2025a3po" in card and "A3PO" in card
+    assert "DeepSeekMath" not in card  # GRPOTrainer's own citation is not the one

@@ -21,11 +21,13 @@ for every optimizer step of that training step, so the proximal anchor never mov
 from __future__ import annotations
 
 import contextlib
-import inspect
 import itertools
 import os
+import textwrap
 import time
 import warnings
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import datasets
 import torch
@@ -36,7 +38,7 @@ from transformers import TrainerCallback
 from trl import GRPOTrainer
 from trl.extras.profiling import profiling_context
 from trl.models.utils import disable_gradient_checkpointing, unwrap_model_for_generation
-from trl.trainer.utils import nanmax, nanmin, split_tensor_dict
+from trl.trainer.utils import get_config_model_id, nanmax, nanmin, split_tensor_dict
 
 from .config import A3POConfig
 from .proximal import PROX_APPROXIMATIONS, aggregate_loss, approximate_prox_logp, decoupled_ppo_loss, staleness_alpha
@@ -49,8 +51,11 @@ from .rollout import (
     generate_with_behavior_logprobs,
 )
 
-
-_GRPO_INIT = inspect.signature(GRPOTrainer.__init__)  # to name the arguments before GRPOTrainer sees them
+if TYPE_CHECKING:  # the signature's types, as GRPOTrainer's
+    from datasets import Dataset, DatasetDict, IterableDataset, IterableDatasetDict
+    from peft import PeftConfig, PeftModel
+    from transformers import BitsAndBytesConfig, PreTrainedModel, PreTrainedTokenizerBase, ProcessorMixin
+    from trl.trainer.grpo_trainer import EnvironmentFactory, RewardFunc, RolloutFunc
 
 _PEFT_ON_SHARDS = (
     "async_generation=True with a PEFT adapter on sharded parameters (FSDP or DeepSpeed ZeRO-3) is not supported (the "
@@ -202,19 +207,58 @@ class A3POTrainer(GRPOTrainer):
     """Drop-in replacement for `trl.GRPOTrainer` that trains with A-3PO's decoupled loss (see `A3POConfig`)."""
 
     _tag_names = ["trl", "grpo", "a3po"]
+    _name = "A3PO"
+    _paper = {
+        "title": "A-3PO: Accelerating Asynchronous LLM Training with Staleness-aware Proximal Policy Approximation",
+        "id": "2512.06547",
+        "citation": textwrap.dedent("""\
+            @article{li2025a3po,
+                title        = {{A-3PO: Accelerating Asynchronous LLM Training with Staleness-aware Proximal Policy Approximation}},
+                author       = {Xiaocan Li and Shiliang Wu and Zheng Shen},
+                year         = 2025,
+                eprint       = {arXiv:2512.06547},
+            }"""),
+    }
 
-    def __init__(self, *args, **kwargs):
+    def __init__(
+        self,
+        model: str | PreTrainedModel | PeftModel,
+        reward_funcs: RewardFunc | list[RewardFunc] | None = None,
+        args: A3POConfig | None = None,
+        train_dataset: Dataset | IterableDataset | None = None,
+        eval_dataset: Dataset | IterableDataset | DatasetDict | IterableDatasetDict | dict | None = None,
+        processing_class: PreTrainedTokenizerBase | ProcessorMixin | None = None,
+        reward_processing_classes: PreTrainedTokenizerBase | list[PreTrainedTokenizerBase] | None = None,
+        callbacks: list[TrainerCallback] | None = None,
+        optimizers: tuple[torch.optim.Optimizer | None, torch.optim.lr_scheduler.LambdaLR | None] = (None, None),
+        quantization_config: BitsAndBytesConfig | None = None,
+        peft_config: PeftConfig | None = None,
+        tools: list[Callable] | None = None,
+        rollout_func: RolloutFunc | None = None,
+        environment_factory: EnvironmentFactory | dict[str, EnvironmentFactory] | None = None,
+    ):
+        if args is None:
+            # As GRPOTrainer does (a config named after the model), with the precision this machine supports:
+            # TrainingArguments' bf16 default fails on a machine without a bf16-capable GPU.
+            model_name = model if isinstance(model, str) else get_config_model_id(model.config)
+            args = A3POConfig(f"{model_name.split('/')[-1]}-A3PO",
+                              bf16=torch.cuda.is_available() and torch.cuda.is_bf16_supported())
+        if not isinstance(args, A3POConfig):
+            raise TypeError(f"A3POTrainer needs an A3POConfig as `args`, got {type(args).__name__}.")
+        given = dict(model=model, train_dataset=train_dataset, peft_config=peft_config, tools=tools,
+                     rollout_func=rollout_func, environment_factory=environment_factory)
         # Refuse what cannot work before any model work (loading, PEFT, Accelerate wrapping).
-        given = _GRPO_INIT.bind(self, *args, **kwargs).arguments
-        config = given.get("args")
-        if not isinstance(config, A3POConfig):
-            raise TypeError(f"A3POTrainer needs an A3POConfig as `args`, got {type(config).__name__}.")
-        if config.async_generation:
-            _refuse_unsupported_async(config, given)
-        if config.use_decoupled_loss:
+        if args.async_generation:
+            _refuse_unsupported_async(args, given)
+        if args.use_decoupled_loss:
             _refuse_multimodal_with_the_decoupled_loss(given)
-        _check_train_dataset(config, given.get("train_dataset"))
-        super().__init__(*args, **kwargs)
+        _check_train_dataset(args, train_dataset)
+        super().__init__(
+            model, reward_funcs, args=args, train_dataset=train_dataset, eval_dataset=eval_dataset,
+            processing_class=processing_class, reward_processing_classes=reward_processing_classes,
+            callbacks=callbacks, optimizers=optimizers, quantization_config=quantization_config,
+            peft_config=peft_config, tools=tools, rollout_func=rollout_func, environment_factory=environment_factory,
+        )
         self._prox_timer = _ProxTimer(self.accelerator.device)  # the paper's Figure 1 metric
         self._train_start = time.perf_counter()
         # Set while TRL scores a generation batch whose "old log-prob" forward the decoupled loss does not need.
