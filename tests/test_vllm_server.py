@@ -20,7 +20,9 @@ from transformers import AutoModelForCausalLM, Qwen2Config, TrainerCallback
 
 from trl_a3po import A3POConfig, A3POTrainer
 from trl_a3po.rollout import ProducerError
-from trl_a3po.rollout.vllm_server import VLLMServerBackend, VLLMServerSetupError, local_vllm_server
+from local_vllm import local_vllm_server
+
+from trl_a3po.rollout.vllm_server import VLLMServerBackend, VLLMServerSetupError
 
 REPO = Path(__file__).resolve().parent.parent
 

