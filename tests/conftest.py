@@ -1,6 +1,8 @@
 """Tiny models and a locally trained tokenizer: the tests run offline, on CPU, in seconds."""
 
 import os
+import socket
+import threading
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -60,6 +62,18 @@ def make_model(tokenizer, seed: int = 0):
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     return model
+
+
+def free_port() -> int:
+    """A TCP port free on loopback now (for a server, a process group's rendezvous)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def producer_threads() -> list:
+    """The generation producer threads alive now (GenerationQueue names them "a3po-producer")."""
+    return [t for t in threading.enumerate() if t.name == "a3po-producer" and t.is_alive()]
 
 
 @pytest.fixture(scope="session")

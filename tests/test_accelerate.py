@@ -2,22 +2,15 @@
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
-from conftest import require_deepspeed
+from conftest import free_port, require_deepspeed
 
 SCRIPT = Path(__file__).resolve().parent / "scripts" / "two_process_run.py"
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 DEEPSPEED_CPU = SCRIPT.parent / "deepspeed_cpu.json"

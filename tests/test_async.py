@@ -2,14 +2,13 @@
 
 import os
 import signal
-import socket
 import threading
 import time
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import digit_reward, make_model
+from conftest import digit_reward, free_port, make_model, producer_threads
 from transformers import TrainerCallback
 from test_trainer import COMMON, logged
 
@@ -79,7 +78,7 @@ def test_async_trains_the_synchronous_prompt_order_within_the_bound(tmp_path, to
                 "a3po/gen/weight_sync_s"):
         assert len(logged(trainer, key)) == num_batches, key
     assert all(depth in range(eta + 1) for depth in logged(trainer, "a3po/queue/depth"))
-    assert trainer._queue is None  # the producer is stopped when training ends
+    assert producer_threads() == []  # the producer is stopped when training ends
 
 
 def test_async_max_staleness_2_uses_alpha_one_half(tmp_path, tokenizer, prompt_dataset, monkeypatch):
@@ -245,13 +244,7 @@ def test_producer_exception_surfaces_in_the_trainer_within_a_step(tmp_path, toke
     assert isinstance(info.value.__cause__, RuntimeError)
     # the crashed batch is the second one, generated during the first (steps 0-1): it surfaces by step 2
     assert trainer.state.global_step <= 2
-    assert trainer._queue is None  # stopped, no thread left behind
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    assert producer_threads() == []  # stopped, no thread left behind
 
 
 def test_unreachable_vllm_server_fails_fast_naming_host_and_port(tmp_path, tokenizer, prompt_dataset):
@@ -424,7 +417,7 @@ def test_coupled_grpo_on_the_producer_at_max_staleness_0_is_synchronous(tmp_path
                 mask = inputs["completion_mask"].bool()
                 diff = (inputs["old_per_token_logps"] - inputs["sampling_per_token_logps"]).abs()[mask]
                 assert diff.max().item() < 1e-5
-            assert trainer._queue is None  # closed with train()
+            assert producer_threads() == []  # closed with train()
     assert runs["queue"] == runs["sync"]
 
 

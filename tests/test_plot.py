@@ -1,59 +1,62 @@
-"""`python -m trl_a3po.plot` draws the paper's figures from real (short) runs' logs."""
+"""`python -m trl_a3po.plot` draws the paper's figures from runs' logs (hand-written here, in the Trainer's format)."""
 
 import json
 
 import pytest
-
-from conftest import digit_reward, make_model
+import torch
 from PIL import Image
-from test_trainer import COMMON
 
-from trl_a3po import A3POConfig, A3POTrainer
-from trl_a3po.plot import FIGURES, load_history, main, mean_band, series
-
-
-def short_run(tmp_path, tokenizer, dataset, name, **kwargs):
-    args = A3POConfig(output_dir=str(tmp_path / name), max_steps=4, steps_per_generation=2, **{**COMMON, **kwargs})
-    trainer = A3POTrainer(model=make_model(tokenizer), reward_funcs=digit_reward, args=args, train_dataset=dataset,
-                          processing_class=tokenizer)
-    trainer.train()
-    trainer.save_model()
-    trainer.save_state()
-    return tmp_path / name
+from trl_a3po import A3POConfig
+from trl_a3po.plot import FIGURES, load_history, main, mean_band, run_label, series
 
 
-def test_plot_command_writes_every_figure_from_run_logs(tmp_path, tokenizer, prompt_dataset, capsys):
+def write_run(tmp_path, name, decoupled=True, **config):
+    """A run folder as the Trainer leaves it: trainer_state.json (4 optimizer steps, 2 per generation batch, reward
+    logged on the first step of each batch, wall clock on every step) and training_args.bin (the pickled config)."""
+    folder = tmp_path / name
+    folder.mkdir()
+    history = []
+    for step in range(1, 5):
+        entry = {"step": step, "a3po/wall_time_s": 10.0 * step, "entropy": 1.0 / step, "a3po/prox_time_s": 0.001,
+                 "clip_ratio/region_mean": 0.01 * step, "a3po/behav_imp_weight/max": 1.0 + 0.1 * step,
+                 "a3po/behav_imp_weight/min": 1.0 - 0.1 * step}
+        if step % 2 == 1:
+            entry.update({"reward": 0.1 * step, "rewards/gsm8k_accuracy_reward/mean": 0.05 * step})
+        if not decoupled:  # the coupled loss logs none of the decoupled loss's metrics
+            entry = {k: v for k, v in entry.items() if not k.startswith("a3po/") or k == "a3po/wall_time_s"}
+        history.append(entry)
+    (folder / "trainer_state.json").write_text(json.dumps({"log_history": history}))
+    torch.save(A3POConfig(output_dir=str(folder), use_decoupled_loss=decoupled, report_to="none", use_cpu=True,
+                          bf16=False, **config), folder / "training_args.bin")
+    return folder
+
+
+def test_plot_command_writes_every_figure_from_run_logs(tmp_path, capsys):
     runs = [
-        short_run(tmp_path, tokenizer, prompt_dataset, "a", prox_logp_method="loglinear"),
-        short_run(tmp_path, tokenizer, prompt_dataset, "b", prox_logp_method="recompute"),
-        short_run(tmp_path, tokenizer, prompt_dataset, "c", use_decoupled_loss=False),
+        write_run(tmp_path, "a", prox_logp_method="loglinear"),
+        write_run(tmp_path, "b", prox_logp_method="recompute"),
+        write_run(tmp_path, "c", decoupled=False),
     ]
-    history = json.loads((runs[0] / "trainer_state.json").read_text())["log_history"]
-    xs, ys = series(history, "reward", "wall")
-    assert len(xs) == 2 and all(x > 0 for x in xs)  # two generation batches, on a wall-clock axis
-    sync_history = json.loads((runs[2] / "trainer_state.json").read_text())["log_history"]
-    xs, _ = series(sync_history, "reward", "wall")
-    assert len(xs) == 2 and 0 < xs[0] < xs[1]  # the coupled (sync) run has the same clock
+    assert [run_label(str(r)) for r in runs] == ["loglinear", "recompute", "sync"]
+    history = load_history(str(runs[0]))
+    assert series(history, "reward", "wall") == ([10.0, 30.0], [pytest.approx(0.1), pytest.approx(0.3)])
+    assert series(history, "reward", "step") == ([1, 3], [pytest.approx(0.1), pytest.approx(0.3)])
+    # the coupled (sync) run draws on the same clock
+    assert series(load_history(str(runs[2])), "reward", "wall")[0] == [10.0, 30.0]
     # evaluations written next to the log (benchmarks/learning.py) join the callback's entries, by step
     (runs[0] / "greedy_eval.json").write_text(json.dumps([{"step": 4, "accuracy": 0.5}, {"step": 0, "accuracy": 0.25}]))
     assert series(load_history(str(runs[0])), "eval/gsm8k_greedy_accuracy", "step") == ([0, 4], [0.25, 0.5])
-    capsys.readouterr()  # drop the training logs
     main([str(r) for r in runs] + ["--out", str(tmp_path / "figs")])
     printed = capsys.readouterr().out.split()
     assert sorted(printed) == sorted(str(tmp_path / "figs" / f"{name}.png") for name in FIGURES)
     for path in printed:
         with Image.open(path) as image:
             assert image.size[0] > 300 and image.size[1] > 200
-    from trl_a3po.plot import run_label
-
-    assert [run_label(str(r)) for r in runs] == ["loglinear", "recompute", "sync"]
 
 
 def test_greedy_eval_file_with_a_bad_entry_is_named(tmp_path):
     (tmp_path / "trainer_state.json").write_text(json.dumps({"log_history": [{"step": 1, "reward": 0.5}]}))
     (tmp_path / "greedy_eval.json").write_text(json.dumps([{"step": 0}]))
-    import pytest
-
     with pytest.raises(ValueError, match="greedy_eval.json: entry 0 needs 'step' and 'accuracy'"):
         load_history(str(tmp_path))
 

@@ -3,13 +3,12 @@ processes), the evaluation script on its outputs."""
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from conftest import make_model, make_tokenizer
+from conftest import free_port, make_model, make_tokenizer
 
 REPO = Path(__file__).resolve().parent.parent
 SHARED_GSM8K = REPO.parent / "shared" / "data" / "gsm8k"
@@ -82,9 +81,7 @@ def test_recipe_lora_then_eval_the_adapter(tiny_model_dir, tmp_path):
 
 
 def test_recipe_two_processes(tiny_model_dir, tmp_path):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     run([sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
          "--num_machines", "1", "--main_process_port", str(port), "--mixed_precision", "no", "--dynamo_backend",
          "no", *recipe_args(tiny_model_dir, tmp_path / "ddp")])

@@ -5,7 +5,6 @@ DeepSpeed on two CPU processes: tests/test_accelerate.py and tests/test_vllm_ser
 import contextlib
 import json
 import os
-import socket
 import time
 from pathlib import Path
 
@@ -13,7 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from conftest import digit_reward, make_model, make_tokenizer
+from conftest import digit_reward, free_port, make_model, make_tokenizer
 from test_trainer import COMMON
 
 from trl_a3po import A3POConfig, A3POTrainer
@@ -93,9 +92,7 @@ def _fsdp2_greedy_eval(rank, world, port, out_dir):
 def test_greedy_evaluation_runs_on_fsdp2_shards_in_every_process(tmp_path):
     # Evaluating on the main process alone hung under sharding: its forwards gather shards, a collective the other
     # processes never joined. Every process now generates, in step; a hang fails the test by its timeout.
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     context = mp.spawn(_fsdp2_greedy_eval, args=(2, port, str(tmp_path)), nprocs=2, join=False)
     deadline = time.monotonic() + 120
     while not context.join(timeout=1):
@@ -109,9 +106,7 @@ def test_greedy_evaluation_runs_on_fsdp2_shards_in_every_process(tmp_path):
 
 
 def test_fsdp2_shards_are_gathered_into_the_full_weights(tmp_path):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     mp.spawn(_fsdp2_gather, args=(2, port, str(tmp_path)), nprocs=2, join=True)
     for rank in range(2):
         report = json.loads((tmp_path / f"rank{rank}.json").read_text())

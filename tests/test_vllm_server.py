@@ -4,7 +4,6 @@ import contextlib
 import os
 import shutil
 import signal
-import socket
 import tempfile
 import time
 import threading
@@ -12,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import digit_reward, make_tokenizer, require_deepspeed
+from conftest import digit_reward, free_port, make_tokenizer, producer_threads, require_deepspeed
 from test_async import VersionRecorder, check_behaviour_logprobs_against_versions, record_trained_samples
 from test_accelerate import check_ranks_follow_the_synchronous_shards, launch
 from test_trainer import COMMON, logged
@@ -57,9 +56,7 @@ def vllm_server(tmp_path_factory):
     tokenizer = make_tokenizer()
     make_server_model(tokenizer).save_pretrained(model_dir)
     tokenizer.save_pretrained(model_dir)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     # The NCCL weight-transfer engine is configured (the probe checks it for the nccl transport's stand-in test);
     # it is only opened by /init_weight_transfer_engine, which no test here calls.
     with local_vllm_server(python, str(model_dir), port, str(root), max_model_len=512, timeout_s=300,
@@ -73,9 +70,7 @@ NCCL_SERVER_ARGS = ("--weight-transfer-config", '{"backend": "nccl"}')
 @pytest.fixture(scope="module")
 def vllm_lora_server(vllm_server):
     """A second server of the same model that loads LoRA adapters at run time (lora_weight_sync='adapter')."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     workdir = Path(tempfile.mkdtemp(prefix="vllm-", dir="/tmp"))  # engine sockets: a short path
     with local_vllm_server(vllm_python(), str(vllm_server["model_dir"]), port, str(workdir), max_model_len=512,
                            timeout_s=300, env={"HF_HUB_OFFLINE": "1", "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"},
@@ -141,7 +136,7 @@ def test_async_training_on_the_vllm_server_respects_the_bound(tmp_path, vllm_ser
                                logged(trainer, "a3po/behav_imp_weight/max")):
         if d <= 1:
             assert w_min == pytest.approx(1.0) and w_max == pytest.approx(1.0)
-    assert trainer._queue is None
+    assert producer_threads() == []  # no thread left behind
 
 
 def test_greedy_eval_on_the_vllm_server_matches_hf_generate(vllm_server, tmp_path):
@@ -211,9 +206,7 @@ def test_nccl_transport_has_one_communicator_and_one_packed_push_per_version(tmp
 def test_a_real_server_without_dev_mode_is_refused_before_the_first_step(tmp_path, vllm_server, prompt_dataset):
     # The README's server command once lacked VLLM_SERVER_DEV_MODE=1: the probe refuses such a server at the first
     # generation batch, naming the variable and the command, before any optimizer step or weight push.
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     # a short work folder: vLLM's engine sockets live there, and a socket path may have at most 107 characters
     workdir = Path(tempfile.mkdtemp(prefix="vllm-", dir="/tmp"))
     with local_vllm_server(vllm_python(), str(vllm_server["model_dir"]), port, str(workdir), max_model_len=512,
@@ -246,9 +239,7 @@ def kill_server_group(port: int) -> None:
 def test_a_server_killed_mid_run_stops_training_naming_it(tmp_path, vllm_server, prompt_dataset):
     # The real CPU server, SIGKILLed (process group) after the first optimizer step while the producer generates
     # ahead: train() raises within 60 s, naming the server; nothing after the kill is trained.
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     workdir = Path(tempfile.mkdtemp(prefix="vllm-", dir="/tmp"))
 
     class KillAfterFirstStep(TrainerCallback):
@@ -280,9 +271,7 @@ def test_a_server_restarted_mid_run_never_trains_a_mislabelled_sample(tmp_path, 
     # server before generating (its log shows a reload before any completion) and every trained sample matches its
     # recorded version; or training stops with a ProducerError naming the server (gone, or holding weights this run
     # did not push).
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     workdirs = [Path(tempfile.mkdtemp(prefix="vllm-", dir="/tmp")) for _ in range(2)]
     server_args = (vllm_python(), str(vllm_server["model_dir"]), port)
     restarted = contextlib.ExitStack()
