@@ -7,15 +7,14 @@ from dataclasses import dataclass, field
 
 from trl import GRPOConfig
 
-from .proximal import BEHAV_WEIGHT_LEVELS, BEHAV_WEIGHT_MODES
+# AGGREGATIONS: the loss types whose per-token objective is the clipped surrogate min(r*A, clip(r)*A); they differ
+# only in how tokens are aggregated, so the decoupled loss keeps TRL's aggregation for each of them.
+from .proximal import AGGREGATIONS, BEHAV_WEIGHT_LEVELS, BEHAV_WEIGHT_MODES
 
 PROX_LOGP_METHODS = ("loglinear", "recompute", "metrics")
 ROLLOUT_BACKENDS = ("inprocess", "vllm_server")
 WEIGHT_SYNC_TRANSPORTS = ("auto", "nccl", "disk")
 LORA_WEIGHT_SYNCS = ("auto", "adapter", "merged")
-# Loss types whose per-token objective is the clipped surrogate min(r*A, clip(r)*A); they differ only in how tokens
-# are aggregated, so the decoupled loss can keep TRL's aggregation for each of them.
-DECOUPLED_LOSS_TYPES = ("dapo", "grpo", "dr_grpo", "bnpo")
 
 
 @dataclass
@@ -209,9 +208,9 @@ class A3POConfig(GRPOConfig):
 
         unsupported = {
             "loss_type": (
-                self.loss_type not in DECOUPLED_LOSS_TYPES,
+                self.loss_type not in AGGREGATIONS,
                 f"loss_type={self.loss_type!r} has no per-token clipped surrogate to decouple; use one of "
-                f"{DECOUPLED_LOSS_TYPES}, or use_decoupled_loss=False",
+                f"{AGGREGATIONS}, or use_decoupled_loss=False",
             ),
             "importance_sampling_level": (
                 self.importance_sampling_level != "token",

@@ -607,12 +607,14 @@ class A3POTrainer(GRPOTrainer):
     def _compute_loss(self, model, inputs):
         if self._queue is not None:
             self._queue.raise_if_failed()  # a producer failure surfaces within one step, with its traceback
-        if not self.args.use_decoupled_loss:
-            loss = super()._compute_loss(model, inputs)
-            if self.model.training and self.accelerator.sync_gradients:
-                # the same clock as the decoupled branch, so sync runs draw in the reward vs wall-clock figure
-                self._metrics["train"]["a3po/wall_time_s"].append(time.perf_counter() - self._train_start)
-            return loss
+        loss = (self._decoupled_loss(model, inputs) if self.args.use_decoupled_loss
+                else super()._compute_loss(model, inputs))
+        if self.model.training and self.accelerator.sync_gradients:
+            # One value per optimizer step, coupled or decoupled: the reward vs wall-clock figure's x axis.
+            self._metrics["train"]["a3po/wall_time_s"].append(time.perf_counter() - self._train_start)
+        return loss
+
+    def _decoupled_loss(self, model, inputs):
         mode = "train" if self.model.training else "eval"
         prompt_ids, prompt_mask = inputs["prompt_ids"], inputs["prompt_mask"]
         completion_ids, completion_mask = inputs["completion_ids"], inputs["completion_mask"]
@@ -750,7 +752,6 @@ class A3POTrainer(GRPOTrainer):
             # One value per optimizer step, averaged over processes.
             seconds = torch.tensor(self._prox_timer.pop_seconds(), device=self.accelerator.device)
             metrics["a3po/prox_time_s"].append(reduce(seconds, reduction="mean").item())
-            metrics["a3po/wall_time_s"].append(time.perf_counter() - self._train_start)
 
     def _log_prox_approximation_errors(self, metrics, staleness, mask, logp, behav_logp, prox_logp):
         """Error of each approximation against the recomputed proximal log-probs, overall and per staleness."""
