@@ -1,6 +1,7 @@
 """A3POTrainer end to end on a tiny model: loss equivalences, forward counts, metrics, LoRA, errors."""
 
 import collections
+import threading
 
 import pytest
 import torch
@@ -390,3 +391,35 @@ def test_the_library_trains_without_the_demo_and_plot_extras(tmp_path):
     result = subprocess.run([sys.executable, "-c", LEAN, str(tmp_path)], cwd=repo, capture_output=True, text=True,
                             timeout=300, env={**__import__("os").environ, "HF_HUB_OFFLINE": "1"})
     assert result.returncode == 0 and "lean ok" in result.stdout, result.stderr[-3000:]
+
+
+def test_metrics_are_read_from_the_device_once_per_optimizer_step(tmp_path, tokenizer, prompt_dataset, monkeypatch):
+    # Every `.item()` / `.tolist()` is a device synchronisation on a GPU. The decoupled loss keeps its metrics on the
+    # device and reads them all at once at the end of an optimizer step: none on the micro-batches before it.
+    trainer = make_trainer(tmp_path, tokenizer, prompt_dataset, steps_per_generation=4,
+                           gradient_accumulation_steps=2, max_steps=4)
+    reads = {"accumulating": 0, "last": 0}
+    inside = []
+
+    def counting(original):
+        def read(self, *args, **kwargs):
+            if inside and threading.current_thread() is threading.main_thread():  # not the producer's
+                reads[inside[-1]] += 1
+            return original(self, *args, **kwargs)
+        return read
+
+    monkeypatch.setattr(torch.Tensor, "item", counting(torch.Tensor.item))
+    monkeypatch.setattr(torch.Tensor, "tolist", counting(torch.Tensor.tolist))
+    original_loss = trainer._decoupled_loss
+
+    def watched(model, inputs):
+        inside.append("last" if trainer.accelerator.sync_gradients else "accumulating")
+        try:
+            return original_loss(model, inputs)
+        finally:
+            inside.pop()
+
+    monkeypatch.setattr(trainer, "_decoupled_loss", watched)
+    trainer.train()
+    assert reads == {"accumulating": 0, "last": 4}  # one read per optimizer step (4 steps x 2 micro-batches)
+    assert len(logged(trainer, "entropy")) == 4 and len(logged(trainer, "clip_ratio/region_mean")) == 4

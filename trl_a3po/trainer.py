@@ -21,6 +21,7 @@ for every optimizer step of that training step, so the proximal anchor never mov
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import os
 import textwrap
@@ -270,6 +271,7 @@ class A3POTrainer(GRPOTrainer):
         self._submitted = 0  # generation batches handed to the producer so far
         self._taken_versions: list[int] | None = None  # behaviour versions of the batch being scored
         self._sends_adapter = False  # the vLLM server gets the LoRA adapter alone (lora_weight_sync)
+        self._pending_metrics: list[tuple[str, str, torch.Tensor]] = []  # read once per optimizer step
         if self.args.async_generation:
             # The authoritative check, now that Accelerate knows the distributed setup (the early one reads env vars).
             if (self._dist.is_zero3 or self._dist.is_fsdp) and is_peft_model(self.accelerator.unwrap_model(self.model)):
@@ -675,22 +677,35 @@ class A3POTrainer(GRPOTrainer):
             loss = aggregate_loss(per_token_loss, mask, self.loss_type, self.max_completion_length) / accumulation
         if self.aux_loss_enabled:
             loss = loss + self.router_aux_loss_coef * aux_loss / accumulation
-            self._metrics[mode]["aux_loss"].append(self.accelerator.gather(aux_loss.detach()).mean().item())
-
-        self._log_loss_metrics(mode, stats, staleness, mask, entropies, logp, behav_logp, prox_logp, inputs)
+            self._defer_metric(mode, "aux_loss", self.accelerator.gather(aux_loss.detach()).mean())
         if self.beta != 0.0:
-            self._metrics[mode]["kl"].append(self._global_masked_mean(per_token_kl.detach(), mask))
+            self._defer_metric(mode, "kl", self._global_masked_mean(per_token_kl.detach(), mask))
+        self._log_loss_metrics(mode, stats, staleness, mask, entropies, logp, behav_logp, prox_logp, inputs)
         return loss
 
     # ------------------------------------------------------------------ metrics
 
-    def _global_masked_mean(self, values: torch.Tensor, mask: torch.Tensor) -> float:
+    def _defer_metric(self, mode: str, key: str, value: torch.Tensor) -> None:
+        """Keep a metric on the device; `_flush_metrics` reads them all at once. Reading each with `.item()` would
+        synchronise the device several times per micro-batch (the hot path the proximal approximation frees)."""
+        self._pending_metrics.append((mode, key, value.detach().float().reshape(())))
+
+    def _flush_metrics(self) -> None:
+        """One device-to-host copy for every metric deferred since the last flush (once per optimizer step)."""
+        if not self._pending_metrics:
+            return
+        values = torch.stack([value for _, _, value in self._pending_metrics]).tolist()
+        for (mode, key, _), value in zip(self._pending_metrics, values):
+            self._metrics[mode][key].append(value)
+        self._pending_metrics = []
+
+    def _global_masked_mean(self, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         mask = mask.to(values.dtype)
         totals = self.accelerator.reduce(torch.stack([(values * mask).sum(), mask.sum()]), reduction="sum")
-        return (totals[0] / totals[1].clamp(min=1.0)).item()
+        return totals[0] / totals[1].clamp(min=1.0)
 
     def _log_loss_metrics(self, mode, stats, staleness, mask, entropies, logp, behav_logp, prox_logp, inputs):
-        metrics = self._metrics[mode]
+        defer = functools.partial(self._defer_metric, mode)
         reduce = self.accelerator.reduce
         sums = reduce(
             torch.stack(
@@ -709,9 +724,9 @@ class A3POTrainer(GRPOTrainer):
                 ]
             ),
             reduction="sum",
-        ).tolist()
+        )
         tokens, weight_sum, weight_count, capped, clip_low, clip_high, dual, below, seqs, seq_capped, seq_below = sums
-        tokens, seqs = max(tokens, 1.0), max(seqs, 1.0)
+        tokens, seqs = tokens.clamp(min=1.0), seqs.clamp(min=1.0)
         extremes = self.accelerator.gather(
             torch.stack([stats["behav_imp_weight_min"], stats["ratio_min"]]).unsqueeze(0)
         )
@@ -719,39 +734,41 @@ class A3POTrainer(GRPOTrainer):
         all_staleness = self.accelerator.gather(staleness)
         alpha = staleness_alpha(all_staleness)
 
-        metrics["a3po/staleness/mean"].append(all_staleness.float().mean().item())
-        metrics["a3po/staleness/max"].append(all_staleness.max().item())
+        defer("a3po/staleness/mean", all_staleness.float().mean())
+        defer("a3po/staleness/max", all_staleness.max())
         if mode == "train":
             # Histogram inputs: the share of samples at each staleness 0..max_staleness (fixed keys, every step).
             eta = self.args.max_staleness
             counts = torch.bincount(all_staleness.clamp(min=0, max=eta), minlength=eta + 1)
-            for d, share in enumerate((counts.float() / all_staleness.numel()).tolist()):
-                metrics[f"a3po/staleness/frac_d{d}"].append(share)
-        metrics["a3po/alpha/mean"].append(alpha.mean().item())
-        metrics["a3po/behav_imp_weight/mean"].append(weight_sum / max(weight_count, 1.0))
-        metrics["a3po/behav_imp_weight/min"].append(nanmin(extremes[:, 0]).item())
-        metrics["a3po/behav_imp_weight/max"].append(nanmax(maxima[:, 0]).item())
+            for d, share in enumerate(counts.float() / all_staleness.numel()):
+                defer(f"a3po/staleness/frac_d{d}", share)
+        defer("a3po/alpha/mean", alpha.mean())
+        defer("a3po/behav_imp_weight/mean", weight_sum / weight_count.clamp(min=1.0))
+        defer("a3po/behav_imp_weight/min", nanmin(extremes[:, 0]))
+        defer("a3po/behav_imp_weight/max", nanmax(maxima[:, 0]))
         # Shares of tokens and of sequences whose behaviour weight was outside the bounds (masked or truncated, as
         # behav_imp_weight_mode says; at sequence level a sequence's tokens share its fate).
-        metrics["a3po/capped_frac"].append(capped / tokens)
-        metrics["a3po/below_min_frac"].append(below / tokens)
-        metrics["a3po/seq_capped_frac"].append(seq_capped / seqs)
-        metrics["a3po/seq_below_min_frac"].append(seq_below / seqs)
-        metrics["a3po/ratio/min"].append(nanmin(extremes[:, 1]).item())
-        metrics["a3po/ratio/max"].append(nanmax(maxima[:, 1]).item())
-        metrics["a3po/dual_clip_frac"].append(dual / tokens)
+        defer("a3po/capped_frac", capped / tokens)
+        defer("a3po/below_min_frac", below / tokens)
+        defer("a3po/seq_capped_frac", seq_capped / seqs)
+        defer("a3po/seq_below_min_frac", seq_below / seqs)
+        defer("a3po/ratio/min", nanmin(extremes[:, 1]))
+        defer("a3po/ratio/max", nanmax(maxima[:, 1]))
+        defer("a3po/dual_clip_frac", dual / tokens)
         # GRPOTrainer's names, so TRL dashboards and the paper's "clipped tokens" figure read them unchanged.
-        metrics["clip_ratio/low_mean"].append(clip_low / tokens)
-        metrics["clip_ratio/high_mean"].append(clip_high / tokens)
-        metrics["clip_ratio/region_mean"].append((clip_low + clip_high) / tokens)
-        metrics["entropy"].append(self._global_masked_mean(entropies.detach(), mask))
+        defer("clip_ratio/low_mean", clip_low / tokens)
+        defer("clip_ratio/high_mean", clip_high / tokens)
+        defer("clip_ratio/region_mean", (clip_low + clip_high) / tokens)
+        defer("entropy", self._global_masked_mean(entropies.detach(), mask))
 
         if mode == "train" and self.args.prox_logp_method == "metrics":
-            self._log_prox_approximation_errors(metrics, staleness, mask, logp, behav_logp, prox_logp)
+            self._log_prox_approximation_errors(self._metrics[mode], staleness, mask, logp, behav_logp, prox_logp)
         if mode == "train" and self.accelerator.sync_gradients:
-            # One value per optimizer step, averaged over processes.
+            # One value per optimizer step, averaged over processes; then every deferred metric is read at once.
             seconds = torch.tensor(self._prox_timer.pop_seconds(), device=self.accelerator.device)
-            metrics["a3po/prox_time_s"].append(reduce(seconds, reduction="mean").item())
+            defer("a3po/prox_time_s", reduce(seconds, reduction="mean"))
+        if mode != "train" or self.accelerator.sync_gradients:
+            self._flush_metrics()
 
     def _log_prox_approximation_errors(self, metrics, staleness, mask, logp, behav_logp, prox_logp):
         """Error of each approximation against the recomputed proximal log-probs, overall and per staleness."""
