@@ -121,3 +121,21 @@ def test_generation_settings_are_validated(tmp_path, kwargs, pattern):
 def test_async_is_on_by_default_only_for_the_decoupled_loss(tmp_path):
     assert make(tmp_path).async_generation is True
     assert make(tmp_path, use_decoupled_loss=False).async_generation is False
+
+
+def test_the_docstring_documents_every_field_a3po_adds_in_trls_format():
+    # TRL's configs list their fields under `Parameters:` as "name (`type`, *optional*, defaults to `value`):".
+    import dataclasses
+
+    from trl import GRPOConfig
+
+    base = {f.name for f in dataclasses.fields(GRPOConfig)}
+    added = [f for f in dataclasses.fields(A3POConfig) if f.name not in base]
+    assert len(added) >= 12
+    doc = A3POConfig.__doc__
+    assert "    Parameters:\n" in doc
+    for f in added + [f for f in dataclasses.fields(A3POConfig) if f.name in ("vllm_server_host",
+                                                                                 "vllm_importance_sampling_correction")]:
+        default = f'"{f.default}"' if isinstance(f.default, str) else f"{f.default}"
+        assert f"        {f.name} (`" in doc and f"defaults to `{default}`):" in doc.split(f"        {f.name} (`")[1].split(
+            "\n")[0], f.name

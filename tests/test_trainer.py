@@ -343,7 +343,9 @@ def test_without_args_a3po_trainer_builds_trains_and_cites_the_paper(tmp_path, t
     assert isinstance(trainer.args, A3POConfig) and trainer.args.output_dir.endswith("tiny-policy-A3PO")
     assert trainer.args.bf16 is (torch.cuda.is_available() and torch.cuda.is_bf16_supported())
     assert trainer.args.max_staleness == 2 and trainer.args.async_generation
-    trainer.args.max_steps, trainer.args.report_to = 2, []  # train a little, not the default 3 epochs
+    # train a little: 2 steps, not the default 3 epochs, and 16 new tokens, not 256
+    trainer.args.max_steps, trainer.args.report_to = 2, []
+    trainer.generation_config.max_new_tokens = 16
     trainer.train()
     assert trainer.state.global_step == 2
     trainer.create_model_card()

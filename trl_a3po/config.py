@@ -20,13 +20,51 @@ LORA_WEIGHT_SYNCS = ("auto", "adapter", "merged")
 @dataclass
 class A3POConfig(GRPOConfig):
     r"""
-    Configuration for [`A3POTrainer`]: everything of [`trl.GRPOConfig`], plus the decoupled PPO loss of A-3PO
-    (arXiv 2512.06547).
+    Configuration class for the [`A3POTrainer`]: every field of [`~trl.GRPOConfig`] keeps its meaning, and these are
+    added or changed for A-3PO (arXiv 2512.06547). Each field's `help` metadata has the full text (`--help`, README
+    "Configuration reference").
 
-    With `use_decoupled_loss=True` each token's loss is `-w * min(r*A, clip(r)*A)` with the behaviour weight
-    `w = pi_prox / pi_behav` and the trust-region ratio `r = pi_theta / pi_prox`. `prox_logp_method` chooses how
-    `pi_prox` is obtained: interpolated between the behaviour and current policies (`loglinear`, A-3PO, free), or
-    by a no-grad forward pass of the current policy per generation batch (`recompute`, decoupled PPO).
+    Parameters:
+        > Parameters that control the decoupled loss
+
+        prox_logp_method (`str`, *optional*, defaults to `"loglinear"`):
+            How the proximal log-probs are obtained: `"loglinear"` (A-3PO, an element-wise interpolation with
+            alpha = 1/max(staleness, 1)), `"recompute"` (decoupled PPO, a no-grad forward per generation batch) or
+            `"metrics"` (recompute, and log the error of each approximation against it).
+        use_decoupled_loss (`bool`, *optional*, defaults to `True`):
+            The decoupled PPO loss; `False` trains with GRPOTrainer's own loss, unchanged (the synchronous baseline).
+        behav_imp_weight_cap (`float` or `None`, *optional*, defaults to `5.0`):
+            Upper bound (> 1) on the behaviour weight pi_prox / pi_behav; `None` disables it.
+        behav_imp_weight_mode (`str`, *optional*, defaults to `"mask"`):
+            A weight outside the bounds becomes 0 (`"mask"`, the paper's) or is clamped into them (`"truncate"`).
+        behav_imp_weight_min (`float` or `None`, *optional*, defaults to `None`):
+            Optional lower bound on the behaviour weight, in (0, 1).
+        behav_imp_weight_level (`str`, *optional*, defaults to `"token"`):
+            `"token"` bounds each token's weight; `"sequence"` gives every token its sequence's geometric mean.
+        dual_clip_c (`float` or `None`, *optional*, defaults to `None`):
+            Dual-clip constant c > 1 for negative advantages; `None` disables it.
+        vllm_importance_sampling_correction (`bool` or `None`, *optional*, defaults to `None`):
+            TRL's own correction; `None` = off with the decoupled loss (its behaviour weight corrects already).
+
+        > Parameters that control asynchronous generation
+
+        async_generation (`bool` or `None`, *optional*, defaults to `None`):
+            Generate ahead in a background producer; `None` = on with the decoupled loss (and not TRL's `use_vllm`).
+        max_staleness (`int` or `None`, *optional*, defaults to `None`):
+            Largest staleness, in policy versions, any sample is trained with; `None` = 2 asynchronous (where the
+            A-3PO approximation engages), 0 synchronous.
+        rollout_backend (`str`, *optional*, defaults to `"inprocess"`):
+            `"inprocess"` (a snapshot in a background thread) or `"vllm_server"` (a running `vllm serve`).
+        vllm_server_host (`str`, *optional*, defaults to `"127.0.0.1"`):
+            Host of the vLLM server (GRPOConfig's field; loopback by default here).
+        weight_sync_transport (`str`, *optional*, defaults to `"auto"`):
+            How weights reach a vLLM server: `"disk"`, `"nccl"` (one packed broadcast per version) or `"auto"`.
+        lora_weight_sync (`str`, *optional*, defaults to `"auto"`):
+            With a LoRA policy on a vLLM server: send the `"adapter"` alone, the `"merged"` weights, or `"auto"`.
+        weight_sync_dir (`str` or `None`, *optional*, defaults to `None`):
+            Folder the server reads (disk transport, adapters); `None` = `<output_dir>/weight_sync`.
+        weight_sync_steps (`int`, *optional*, defaults to `1`):
+            Load a newer version into the generator only when the one it holds is this many versions old.
     """
 
     prox_logp_method: str = field(
