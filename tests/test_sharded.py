@@ -9,7 +9,6 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from conftest import digit_reward, free_port, make_model, make_tokenizer

@@ -207,7 +207,6 @@ class VLLMServerBackend:
 
     def _probe(self) -> None:
         """Check, before any weight is pushed, that the server was started the way this backend needs."""
-        response = None
         try:
             response = self.session.get(f"{self.base_url}/server_info", params={"config_format": "json"},
                                         timeout=self.timeout)
