@@ -94,7 +94,7 @@ def test_async_max_staleness_2_uses_alpha_one_half(tmp_path, tokenizer, prompt_d
         if stale.any():  # the loss's anchor at d = 2 is the midpoint of behaviour and current log-probs
             expected = 0.5 * behav_logp[stale] + 0.5 * logp.detach()[stale]
             assert torch.allclose(prox[stale], expected, atol=1e-6)
-        alphas_used.extend(staleness.tolist())
+        alphas_used.extend(staleness.flatten().tolist())
         return prox
 
     monkeypatch.setattr(trainer_module, "approximate_prox_logp", recording)
@@ -135,7 +135,7 @@ class VersionRecorder(TrainerCallback):
         if state.global_step % per_version == 0:
             if self.trainer._dist.is_zero3:  # partitioned: gather the whole weights (a collective, every rank is here)
                 with self.trainer._full_policy_tensors() as tensors:
-                    weights = {name: tensor.detach().clone() for name, tensor in tensors.items()}
+                    weights = {name: tensor.detach().clone() for name, tensor in tensors}
             else:
                 weights = {name: tensor.detach().clone() for name, tensor in self.trainer.model.state_dict().items()}
             self.weights[state.global_step // per_version] = weights
@@ -169,8 +169,13 @@ def check_behaviour_logprobs_against_versions(trainer, versions, samples, atol):
     replay.eval()
     checked = 0
     for inputs in samples:
-        for version in inputs["behavior_version"].unique().tolist():
-            rows = inputs["behavior_version"] == version
+        mask = inputs["completion_mask"].bool()
+        token_versions = inputs["behavior_version"]
+        assert token_versions.shape == mask.shape  # one version per completion token
+        seen = torch.zeros_like(mask)
+        for version in token_versions[mask].unique().tolist():
+            tokens = (token_versions == version) & mask
+            rows = tokens.any(-1)
             replay.load_state_dict(versions.weights[version])
             with torch.no_grad():
                 logp, _, _ = logps(
@@ -179,10 +184,11 @@ def check_behaviour_logprobs_against_versions(trainer, versions, samples, atol):
                     torch.cat([inputs["prompt_mask"][rows], inputs["completion_mask"][rows]], 1),
                     inputs["completion_ids"].size(1),
                 )
-            mask = inputs["completion_mask"][rows].bool()
-            diff = (logp - inputs["sampling_per_token_logps"][rows]).abs()[mask]
+            diff = (logp - inputs["sampling_per_token_logps"][rows]).abs()[tokens[rows]]
             assert diff.max().item() < atol, (version, diff.max().item())
-            checked += int(rows.sum())
+            seen |= tokens
+        assert torch.equal(seen, mask)  # every trained token was checked against its own version
+        checked += mask.size(0)
     return checked
 
 
@@ -358,7 +364,8 @@ def test_a_failure_during_training_ends_train_fast_with_no_thread_left(tmp_path,
     assert not [t for t in threading.enumerate() if t.name == "a3po-producer"]
 
 
-@pytest.mark.parametrize("case", ["tools", "iterable", "grpo_config", "dora", "ia3", "lora_bias", "images"])
+@pytest.mark.parametrize("case", ["tools", "iterable", "grpo_config", "dora", "ia3", "lora_bias", "images",
+                                  "images_coupled"])
 def test_unsupported_inputs_are_refused_before_any_model_work(tmp_path, tokenizer, prompt_dataset, monkeypatch, case):
     from peft import IA3Config, LoraConfig
 
@@ -388,6 +395,11 @@ def test_unsupported_inputs_are_refused_before_any_model_work(tmp_path, tokenize
     elif case == "images":  # the decoupled loss would drop pixel inputs from the loss and the proximal forward
         kwargs["train_dataset"] = prompt_dataset.add_column("image", [None] * len(prompt_dataset))
         error, pattern = ValueError, r"decoupled loss is text-only: the image inputs of this dataset \(its \['image'\]"
+    elif case == "images_coupled":  # GRPOTrainer's own loss, but generated ahead from the text prompts alone
+        kwargs["args"] = A3POConfig(output_dir=str(tmp_path), use_decoupled_loss=False, async_generation=True,
+                                    max_staleness=0, **COMMON)
+        kwargs["train_dataset"] = prompt_dataset.add_column("images", [None] * len(prompt_dataset))
+        error, pattern = ValueError, r"generates from text prompts alone: this dataset's \['images'\] column"
     else:
         kwargs["args"] = GRPOConfig(output_dir=str(tmp_path), report_to="none", use_cpu=True)
         error, pattern = TypeError, r"A3POTrainer needs an A3POConfig as `args`, got GRPOConfig"

@@ -49,7 +49,7 @@ def _random_logps(generator, shape=(6, 9)):
 def test_approximation_properties(seed):
     g = torch.Generator().manual_seed(seed)
     behav, theta, staleness = _random_logps(g)
-    alpha = staleness_alpha(staleness).double().unsqueeze(-1)
+    alpha = staleness_alpha(staleness, torch.float64).unsqueeze(-1)
     for method in ("loglinear", "linear"):
         prox = approximate_prox_logp(method, behav, theta, staleness)
         lo, hi = torch.minimum(behav, theta), torch.maximum(behav, theta)
@@ -61,6 +61,27 @@ def test_approximation_properties(seed):
     w = torch.exp(prox - behav)
     assert torch.allclose(r, torch.exp(theta - behav) ** alpha, rtol=1e-10)  # r = (p_theta / p_behav)^alpha
     assert torch.allclose(r * w, torch.exp(theta - behav), rtol=1e-10)  # r * w = p_theta / p_behav
+
+
+def test_per_token_staleness_gives_each_token_its_own_alpha():
+    # A sequence generated across a weight update: its first tokens by version 3, the rest by version 5; trained by
+    # version 6, their staleness is 3 then 1 (alpha 1/3, then 1: prox = behav).
+    behav = torch.tensor([[-1.0, -2.0, -0.5, -3.0]], dtype=torch.float64)
+    theta = torch.tensor([[-1.6, -0.8, -0.2, -2.4]], dtype=torch.float64)
+    staleness = torch.tensor([[3, 3, 1, 1]])
+    prox = approximate_prox_logp("loglinear", behav, theta, staleness)
+    expected = [(-1.0 - 2 * 1.6) / 3, (-2.0 - 2 * 0.8) / 3, -0.5, -3.0]
+    assert prox[0].tolist() == pytest.approx(expected, abs=1e-12)
+    linear = approximate_prox_logp("linear", behav, theta, staleness)
+    assert linear[0, 0].item() == pytest.approx(math.log(math.exp(-1.0) / 3 + 2 * math.exp(-1.6) / 3), abs=1e-12)
+    assert linear[0, 2:].tolist() == pytest.approx([-0.5, -3.0], abs=1e-12)
+    # One staleness per row, given per sample or repeated over its tokens: the same proximal log-probs.
+    g = torch.Generator().manual_seed(0)
+    behav, theta, per_sample = _random_logps(g)
+    per_token = per_sample.unsqueeze(-1).expand_as(behav)
+    for method in ("loglinear", "linear", "rollout"):
+        assert torch.equal(approximate_prox_logp(method, behav, theta, per_sample),
+                           approximate_prox_logp(method, behav, theta, per_token))
 
 
 def test_loglinear_prox_has_no_gradient_and_ratio_gradient_is_full():

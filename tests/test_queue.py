@@ -40,7 +40,7 @@ class FakeBackend:
 
 
 def weights(version):
-    return {"version": version}
+    return {"version": version}.items()  # what publish takes: (name, tensor) pairs
 
 
 def run_schedule(seed, max_delay=0.0005):
@@ -64,8 +64,9 @@ def run_schedule(seed, max_delay=0.0005):
             result = queue.get(version, timeout=10)
             assert result.index == version
             for ids, behaviour in zip(result.batch.completion_ids, result.batch.versions):
-                assert ids[-1] == behaviour  # the version recorded is the version the backend had loaded
-                assert 0 <= version - behaviour <= eta, (seed, version, behaviour, eta)
+                # every token's recorded version is the version the backend had loaded
+                assert behaviour == [ids[-1]] * len(ids)
+                assert 0 <= version - ids[-1] <= eta, (seed, version, behaviour, eta)
             for _ in range(optimizer_steps_per_version):
                 if rng.random() < 0.3:
                     time.sleep(rng.random() * max_delay)
@@ -98,17 +99,17 @@ def test_stale_weights_are_loaded_only_when_the_bound_or_sync_every_needs_them()
     try:
         queue.publish(0, weights(0))
         queue.submit(0, [[0]], min_version=0)
-        assert queue.get(0, timeout=5).batch.versions == [0]
+        assert queue.get(0, timeout=5).batch.versions == [[0, 0]]
         queue.publish(1, weights(1))
         queue.submit(1, [[1]], min_version=0)  # version 0 is allowed and only 1 behind: no load
-        assert queue.get(1, timeout=5).batch.versions == [0]
+        assert queue.get(1, timeout=5).batch.versions == [[0, 0]]
         queue.publish(2, weights(2))
         queue.submit(2, [[2]], min_version=2)  # the bound needs version 2
-        assert queue.get(2, timeout=5).batch.versions == [2]
+        assert queue.get(2, timeout=5).batch.versions == [[2, 2]]
         for version in (3, 4, 5):
             queue.publish(version, weights(version))
         queue.submit(3, [[3]], min_version=0)  # 3 versions behind the newest: sync_every=3 loads it
-        assert queue.get(3, timeout=5).batch.versions == [5]
+        assert queue.get(3, timeout=5).batch.versions == [[5, 5]]
         assert backend.loads == [0, 2, 5]
     finally:
         queue.close()

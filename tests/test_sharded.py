@@ -7,8 +7,10 @@ import json
 import os
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
+import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from conftest import digit_reward, free_port, make_model, make_tokenizer
@@ -56,8 +58,6 @@ def _fsdp2_greedy_eval(rank, world, port, out_dir):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        from types import SimpleNamespace
-
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
@@ -135,3 +135,35 @@ def test_peft_on_sharded_parameters_is_refused_before_the_model_is_loaded(tmp_pa
     with pytest.raises(AssertionError, match="GRPOTrainer.__init__ ran"):
         A3POTrainer(model=make_model(tokenizer), reward_funcs=digit_reward, args=sync, train_dataset=prompt_dataset,
                     processing_class=tokenizer, peft_config=LoraConfig(r=4, target_modules=["q_proj"]))
+
+
+def test_zero3_weights_are_gathered_one_parameter_at_a_time_and_every_gather_runs(tokenizer):
+    # What `_full_policy_tensors` does under ZeRO-3, with a gather that records how many parameters are whole at once
+    # (DeepSpeed's is a collective: every process must run every gather, in the same order).
+    model = make_model(tokenizer)  # tied: lm_head.weight is the embedding
+    whole_now, gathered = set(), []
+
+    @contextlib.contextmanager
+    def gather(parameters):
+        assert len(parameters) == 1 and not whole_now, "more than one parameter whole at once"
+        whole_now.add(id(parameters[0]))
+        gathered.append(id(parameters[0]))
+        yield
+        whole_now.clear()
+
+    trainer = SimpleNamespace(accelerator=SimpleNamespace(unwrap_model=lambda m: m), model=model,
+                              _dist=SimpleNamespace(is_zero3=True, gather_params=gather))
+    expected = model.state_dict()
+    with A3POTrainer._full_policy_tensors(trainer) as named_tensors:
+        got = {name: tensor.clone() for name, tensor in named_tensors}
+    assert list(got) == list(expected)  # every entry, the tied lm_head included, in the state dict's order
+    assert all(torch.equal(got[name], expected[name]) for name in expected)
+    assert len(gathered) == len(dict(model.named_parameters(remove_duplicate=False)))  # the tied one twice
+    # A consumer that stops early (a failed staging copy) still runs every gather: the other processes are in them.
+    gathered.clear()
+    with pytest.raises(RuntimeError, match="staging failed"):
+        with A3POTrainer._full_policy_tensors(trainer) as named_tensors:
+            next(named_tensors)
+            raise RuntimeError("staging failed")
+    assert len(gathered) == len(dict(model.named_parameters(remove_duplicate=False)))
+    assert not whole_now

@@ -78,7 +78,7 @@ def handmade_batch(trainer, seed=0, behav_noise=0.3):
         "num_items_in_batch": completion_mask.sum(),
         "sampling_per_token_logps": behav,
         "old_per_token_logps": behav,  # what GRPOTrainer reads
-        "behavior_version": torch.zeros(4, dtype=torch.long),
+        "behavior_version": torch.zeros_like(completion_ids),  # per completion token
     }
 
 
@@ -184,6 +184,22 @@ def test_training_runs_counts_forwards_and_logs_metrics(tmp_path, tokenizer, pro
     assert any(not torch.equal(a, b) for a, b in zip(after, before)), "training did not change the weights"
 
 
+def test_kl_penalty_keeps_the_reference_forward_while_the_old_logprob_forward_is_skipped(
+        tmp_path, tokenizer, prompt_dataset, monkeypatch):
+    # beta > 0 and 3 optimizer steps per generation batch: TRL's scoring runs its "old log-prob" forward, then the
+    # reference model's. The skip must answer the first and only the first: the reference log-probs reach the loss.
+    make_model(tokenizer).save_pretrained(tmp_path / "model")  # TRL loads the reference model by name
+    trainer = make_trainer(tmp_path / "run", tokenizer, prompt_dataset, model=str(tmp_path / "model"),
+                           steps_per_generation=3, max_steps=6, async_generation=False, beta=0.1, learning_rate=1e-2)
+    counts = count_logp_forwards(monkeypatch)
+    trainer.train()
+    assert counts == {"grad": 6, "no_grad": 2}  # the reference forward, once per generation batch
+    kl = logged(trainer, "kl")
+    assert len(kl) == 6
+    assert kl[0] == pytest.approx(0.0, abs=1e-7)  # the first micro-batch: policy == reference
+    assert kl[-1] > 1e-6  # the policy moved away from the reference, and the penalty sees it
+
+
 def test_sync_loglinear_and_recompute_train_the_same_weights(tmp_path, tokenizer, prompt_dataset):
     # The paper's layout (4 optimizer steps per generation batch), synchronous: d = 0 everywhere, so loglinear's
     # anchor is the behaviour policy and recompute's is a forward of the same weights. At a learning rate where the
@@ -246,7 +262,7 @@ def test_behaviour_logprobs_match_a_forward_of_the_generating_weights(tmp_path, 
     mask = batch["completion_mask"].bool()
     diff = (logp - batch["sampling_per_token_logps"]).abs()[mask]
     assert diff.max().item() < 1e-5
-    assert batch["behavior_version"].tolist() == [0] * 4
+    assert torch.equal(batch["behavior_version"], torch.zeros_like(batch["completion_ids"]))  # every token: version 0
 
 
 def test_nan_behaviour_logprob_names_the_sample(tmp_path, tokenizer, prompt_dataset, monkeypatch):

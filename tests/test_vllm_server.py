@@ -128,7 +128,7 @@ def test_async_training_on_the_vllm_server_respects_the_bound(tmp_path, vllm_ser
     # (server-side sampling vs a trainer forward: float32 on both sides, different kernels).
     assert check_behaviour_logprobs_against_versions(trainer, versions, samples, atol=1e-3) == 8 * 4
     # a push happens exactly when the producer moves to a newer version: once per distinct behaviour version
-    behaviour_versions = {int(v) for inputs in samples for v in inputs["behavior_version"]}
+    behaviour_versions = {int(v) for inputs in samples for v in inputs["behavior_version"].unique()}
     pushes = [s for s in logged(trainer, "a3po/gen/weight_sync_s") if s > 0]
     assert len(pushes) == len(behaviour_versions) and len(behaviour_versions) >= 2
     # at staleness <= 1 the proximal policy is the behaviour policy: weight exactly 1
@@ -272,7 +272,7 @@ def test_lora_adapter_sync_loads_one_adapter_per_version_and_never_the_base_weig
     samples = record_trained_samples(trainer)
     trainer.train()
     traffic = adapter_traffic(server["log"].read_text())
-    behaviour_versions = {int(v) for inputs in samples for v in inputs["behavior_version"]}
+    behaviour_versions = {int(v) for inputs in samples for v in inputs["behavior_version"].unique()}
     assert len(behaviour_versions) >= 2
     assert traffic["loads"] - before["loads"] == len(behaviour_versions)  # one adapter per version used
     assert traffic["base_reloads"] == before["base_reloads"] == 0  # the base weights never move

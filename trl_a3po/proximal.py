@@ -1,7 +1,8 @@
 """The A-3PO math: staleness -> alpha, proximal log-prob approximations, the decoupled PPO loss.
 
 Torch only, on purpose: anyone can check this file against the paper (arXiv 2512.06547) without reading TRL.
-Every tensor of log-probs here is per token, shaped (B, T); staleness is per sample, shaped (B,).
+Every tensor of log-probs here is per token, shaped (B, T); staleness is per token, shaped (B, T) (a sequence whose
+generation spanned a weight update has tokens of several versions), or per sample, shaped (B,).
 
 Notation (the paper's):
   behav  log pi_behav   the policy that generated the tokens (version v_b)
@@ -22,7 +23,7 @@ BEHAV_WEIGHT_LEVELS = ("token", "sequence")
 AGGREGATIONS = ("grpo", "bnpo", "dr_grpo", "dapo")
 
 
-def staleness_alpha(staleness: torch.Tensor) -> torch.Tensor:
+def staleness_alpha(staleness: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """alpha = 1 / max(d, 1): the weight of the behaviour policy in the proximal interpolation.
 
     Staleness d is counted in policy versions (training steps). d <= 1 gives alpha = 1, i.e. prox = behav: one
@@ -34,7 +35,7 @@ def staleness_alpha(staleness: torch.Tensor) -> torch.Tensor:
     if (staleness < 0).any():
         raise ValueError(f"staleness must be >= 0 (the behaviour policy cannot be newer than the trainer); got "
                          f"min {int(staleness.min())}")
-    return 1.0 / staleness.clamp(min=1).to(torch.float32)
+    return 1.0 / staleness.clamp(min=1).to(dtype)
 
 
 def approximate_prox_logp(
@@ -45,9 +46,12 @@ def approximate_prox_logp(
     - ``loglinear`` (A-3PO): alpha * behav + (1 - alpha) * logp, a geometric mixture of the two policies;
     - ``linear``: log(alpha * p_behav + (1 - alpha) * p_theta), the arithmetic (probability-space) mixture;
     - ``rollout``: prox = behav (no trust region around anything but the behaviour policy).
+    ``staleness`` is (B, T), each token's alpha from its own staleness, or (B,), one staleness for all of a row's tokens.
     """
     logp = logp.detach()
-    alpha = staleness_alpha(staleness).to(logp.device, logp.dtype).unsqueeze(-1)  # (B, 1) broadcasts over tokens
+    alpha = staleness_alpha(staleness, logp.dtype).to(logp.device)
+    if alpha.dim() == 1:  # per sample: (B, 1) broadcasts over its tokens
+        alpha = alpha.unsqueeze(-1)
     if method == "loglinear":
         return alpha * behav_logp + (1.0 - alpha) * logp
     if method == "linear":

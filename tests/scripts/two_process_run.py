@@ -131,7 +131,7 @@ staleness = [h["a3po/staleness/max"] for h in trainer.state.log_history if "a3po
     json.dumps({
         "prompts": seen, "staleness_max": staleness, "eta": args.max_staleness,
         "world": trainer.accelerator.num_processes, "checked": checked,
-        "behaviour_versions": sorted({int(v) for s in samples for v in s["behavior_version"]}),
+        "behaviour_versions": sorted({int(v) for s in samples for v in s["behavior_version"].unique()}),
         "client_calls": RecordingClient.calls, "partitioned_fraction": partitioned_fraction,
         "client_updates": RecordingClient.updates, "group_ports": RecordingClient.group_ports,
         "parameter_names": sorted(name for name, _ in trainer.model.named_parameters()),

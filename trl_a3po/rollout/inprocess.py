@@ -6,23 +6,20 @@ import contextlib
 import copy
 import threading
 import time
+from collections.abc import Iterable
 
 import torch
 from transformers import GenerationConfig, PreTrainedModel, StoppingCriteria, StoppingCriteriaList
+from trl.trainer.utils import pad
 
 from .staging import StagedWeights, stage_copy, wait_until_staged
 
 
-
 def left_pad(prompt_ids: list[list[int]], pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Left-padded `input_ids` and `attention_mask`: generation continues from the last column of every row."""
-    width = max(len(ids) for ids in prompt_ids)
-    input_ids = torch.full((len(prompt_ids), width), pad_token_id, dtype=torch.long)
-    attention_mask = torch.zeros_like(input_ids)
-    for row, ids in enumerate(prompt_ids):
-        input_ids[row, width - len(ids) :] = torch.tensor(ids, dtype=torch.long)
-        attention_mask[row, width - len(ids) :] = 1
-    return input_ids, attention_mask
+    """Left-padded `input_ids` and `attention_mask` (TRL's `pad`): generation continues from every row's last column."""
+    rows = [torch.tensor(ids, dtype=torch.long) for ids in prompt_ids]
+    input_ids = pad(rows, padding_value=pad_token_id, padding_side="left")
+    return input_ids, pad([torch.ones_like(row) for row in rows], padding_value=0, padding_side="left")
 
 
 def build_whole_snapshot(model: PreTrainedModel, device: torch.device) -> PreTrainedModel:
@@ -129,12 +126,14 @@ class InProcessBackend:
         with torch.cuda.device(self._device), torch.cuda.stream(self._stream):
             yield
 
-    def stage(self, tensors: dict[str, torch.Tensor]) -> StagedWeights:
-        missing = [name for name in self._names if name not in tensors]
+    def stage(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> StagedWeights:
+        wanted = set(self._names)
+        staged = stage_copy(((name, tensor) for name, tensor in named_tensors if name in wanted),
+                            lambda tensor: tensor.to(self._device, copy=True))
+        missing = [name for name in self._names if name not in staged.tensors]
         if missing:
             raise KeyError(f"the policy's weights lack {missing[:5]} (of {len(missing)}) for the snapshot")
-        return stage_copy({name: tensors[name] for name in self._names},
-                          lambda tensor: tensor.to(self._device, copy=True))
+        return staged
 
     def load(self, staged: StagedWeights) -> float:
         start = time.perf_counter()

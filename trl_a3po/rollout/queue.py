@@ -27,6 +27,7 @@ import queue
 import threading
 import time
 import warnings
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -50,9 +51,9 @@ class RolloutBackend(Protocol):
     """What the producer drives. `stage` runs on the trainer's main thread (a private copy of the weights in the
     form the generator wants: device, dtype); `load` and `generate` run in the producer thread."""
 
-    def stage(self, tensors: dict) -> dict: ...
+    def stage(self, named_tensors: Iterable[tuple[str, object]]) -> object: ...
 
-    def load(self, tensors: dict) -> float:  # returns the seconds it took
+    def load(self, staged: object) -> float:  # returns the seconds it took
         ...
 
     def generate(self, prompt_ids: list[list[int]], stop: threading.Event) -> tuple[list[list[int]], list[list[float]]]:
@@ -65,7 +66,7 @@ class RolloutBackend(Protocol):
 class GeneratedBatch:
     completion_ids: list[list[int]]
     logprobs: list[list[float]]
-    versions: list[int]  # per sample: the policy version of the weights that generated it
+    versions: list[list[int]]  # per completion token: the policy version of the weights that generated it
     generation_s: float = 0.0
     weight_sync_s: float = 0.0
 
@@ -119,10 +120,11 @@ class GenerationQueue:
 
     # -------------------------------------------------------------- trainer side (main thread)
 
-    def publish(self, version: int, tensors: dict) -> None:
-        """Hand the generator version `version`: `tensors` (the live weights, HF names) are staged into a private copy
-        here, on the calling thread, so the producer never touches the trainer's parameters."""
-        staged = self._backend.stage(tensors)
+    def publish(self, version: int, named_tensors: Iterable[tuple[str, object]]) -> None:
+        """Hand the generator version `version`: `named_tensors` ((name, tensor) pairs of the live weights, HF names)
+        are staged into a private copy here, on the calling thread, so the producer never touches the trainer's
+        parameters."""
+        staged = self._backend.stage(named_tensors)
         with self._weights_lock:
             if self._published is not None and version <= self._published[0]:
                 raise ValueError(f"versions are published in increasing order: {version} after {self._published[0]}")
@@ -201,8 +203,8 @@ class GenerationQueue:
                 completion_ids, logprobs = self._backend.generate(request.prompt_ids, self._stop)
                 if self._stop.is_set():
                     return  # abandoned mid-way: training is ending
-                batch = GeneratedBatch(completion_ids, logprobs, [self._held_version] * len(request.prompt_ids),
-                                       time.perf_counter() - start, sync_s)
+                versions = [[self._held_version] * len(ids) for ids in completion_ids]
+                batch = GeneratedBatch(completion_ids, logprobs, versions, time.perf_counter() - start, sync_s)
                 self._results.put(GenerationResult(request.index, request.prompt_ids, batch, idle_s))
         except BaseException as error:  # re-raised in the trainer's thread by get() / raise_if_failed()
             self._error = error

@@ -22,6 +22,8 @@ import threading
 import time
 import uuid
 import warnings
+import weakref
+from collections.abc import Iterable
 from urllib.parse import urlparse
 
 import requests
@@ -264,10 +266,10 @@ class VLLMServerBackend:
 
     # -------------------------------------------------------------- backend interface
 
-    def stage(self, tensors: dict[str, torch.Tensor]) -> StagedWeights:
+    def stage(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> StagedWeights:
         if self.lora is not None:  # the adapter's tensors go through a folder: CPU copies
-            return DiskTransport.stage(tensors)
-        return self.transport.stage(tensors)
+            return DiskTransport.stage(named_tensors)
+        return self.transport.stage(named_tensors)
 
     def load(self, staged: StagedWeights) -> float:
         """Push a staged version to the server; return the seconds it took."""
@@ -405,8 +407,8 @@ class DiskTransport:
         pass
 
     @staticmethod
-    def stage(tensors: dict[str, torch.Tensor]) -> StagedWeights:
-        return stage_copy(tensors, lambda tensor: tensor.to("cpu", copy=True).contiguous())
+    def stage(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> StagedWeights:
+        return stage_copy(named_tensors, lambda tensor: tensor.to("cpu", copy=True).contiguous())
 
     def push(self, backend: VLLMServerBackend, staged: StagedWeights) -> None:
         from safetensors.torch import save_file
@@ -479,15 +481,20 @@ class NCCLTransport:
                                  connection_timeout=self.timeout_s)
         self.client.init_communicator(device=self.device)
 
-    def stage(self, tensors: dict[str, torch.Tensor]) -> StagedWeights:
-        # Tied tensors (a tied lm_head is the embedding's storage) once: the server ties them itself.
-        unique, seen = {}, set()
-        for name, tensor in tensors.items():
-            key = (tensor.data_ptr(), tensor.storage_offset(), tuple(tensor.shape))
-            if key not in seen:
-                seen.add(key)
-                unique[name] = tensor
-        return stage_copy(unique, torch.clone)  # stays on the GPU it lives on
+    def stage(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> StagedWeights:
+        # Tied tensors (a tied lm_head is the embedding's storage) once: the server ties them itself. A tensor is a
+        # repeat only if an earlier one with its address is still alive: the source may gather sharded parameters one
+        # at a time, and a freed parameter's address is reused by the next.
+        def unique():
+            seen: dict[tuple, weakref.ref] = {}
+            for name, tensor in named_tensors:
+                key = (tensor.data_ptr(), tensor.storage_offset(), tuple(tensor.shape))
+                earlier = seen.get(key)
+                if earlier is None or earlier() is None:
+                    seen[key] = weakref.ref(tensor)
+                    yield name, tensor
+
+        return stage_copy(unique(), torch.clone)  # stays on the GPU it lives on
 
     def push(self, backend: VLLMServerBackend, staged: StagedWeights) -> None:
         # The producer thread works on the trainer's device (no CUDA: only with a stand-in client, in tests).
