@@ -210,6 +210,37 @@ def test_every_sample_behaviour_logprobs_come_from_its_recorded_version(tmp_path
     assert max(staleness) == (2 if async_generation else 0)
 
 
+def test_inflight_weight_updates_keep_every_token_on_its_recorded_version(tmp_path, tokenizer, prompt_dataset,
+                                                                         monkeypatch):
+    # In-flight updates on: generation slowed (20 ms a token) so that versions are published mid-sequence. Every
+    # trained token's behaviour log-prob is what its own recorded version gives it, sequences do mix versions, the
+    # bound holds per token, and the prompt order is the synchronous run's.
+    real = InProcessBackend.generate_until
+
+    def slow(self, prompt_ids, stop, interrupt, generated=0):
+        return real(self, prompt_ids, stop, lambda: time.sleep(0.02) or interrupt(), generated)
+
+    monkeypatch.setattr(InProcessBackend, "generate_until", slow)
+    runs = {}
+    for mode in ("sync", "inflight"):
+        reward = Recorder()
+        trainer = make(tmp_path / mode, tokenizer, prompt_dataset, reward=reward, steps_per_generation=2, max_steps=12,
+                       max_staleness=2, learning_rate=1e-2, max_completion_length=16,
+                       async_generation=mode == "inflight", inflight_weight_updates=mode == "inflight")
+        versions = VersionRecorder(trainer)
+        trainer.add_callback(versions)
+        samples = record_trained_samples(trainer)
+        trainer.train()
+        runs[mode] = reward.prompts
+    assert runs["inflight"] == runs["sync"]
+    assert check_behaviour_logprobs_against_versions(trainer, versions, samples, atol=1e-5) == 12 * 4
+    assert max(logged(trainer, "a3po/gen/mixed_version_frac")) > 0
+    assert sum(len(set(s["behavior_version"][row][s["completion_mask"][row].bool()].tolist())) > 1
+               for s in samples for row in range(4)) > 0
+    assert max(logged(trainer, "a3po/staleness/max")) <= 2
+    assert producer_threads() == []
+
+
 def test_async_lora_snapshot_generates_with_the_merged_policy(tmp_path, tokenizer, prompt_dataset):
     from peft import LoraConfig
 

@@ -254,3 +254,67 @@ def test_an_error_closing_the_queue_never_replaces_the_error_that_ended_training
     with pytest.warns(RuntimeWarning, match="closing the generation queue also failed: OSError"), \
             pytest.raises(RuntimeError, match="the error that ended training"):
         trainer.train()
+
+
+class TokenByTokenBackend:
+    """Samples one token at a time, each token the version loaded when it was sampled, and answers the queue's
+    `generate_until`: stops between two tokens once `interrupt()` says a newer version is due."""
+
+    def __init__(self, rng, length=6):
+        self.rng, self.length = rng, length
+        self.loaded = None
+        self.switches = 0
+
+    def stage(self, named_tensors):
+        return dict(named_tensors)
+
+    def load(self, staged):
+        self.loaded = staged["version"]
+        return 0.0
+
+    def generate_until(self, prompt_ids, stop, interrupt, generated=0):
+        assert all(len(p) == len(prompt_ids[0]) for p in prompt_ids)  # prompts of equal length + equal prefixes
+        budget = self.length - generated
+        ids = [[] for _ in prompt_ids]
+        for _ in range(budget):
+            time.sleep(self.rng.random() * 0.0005)
+            for row in ids:
+                row.append(self.loaded)
+            if stop.is_set() or interrupt():
+                break
+        if len(ids[0]) < budget:
+            self.switches += 1
+        return ids, [[0.0] * len(row) for row in ids], [len(row) < budget for row in ids]
+
+    def close(self):
+        pass
+
+
+def test_inflight_updates_switch_mid_generation_within_the_bound_and_in_order():
+    # Random schedules as in run_schedule, with in-flight updates: a sequence may mix versions, every token carries
+    # the version that sampled it, none is older than the bound allows, and batches come back whole and in order.
+    mixed = 0
+    for seed in range(200):
+        rng = random.Random(seed)
+        eta, num_batches = rng.randint(0, 3), rng.randint(2, 8)
+        bound, backend = StalenessBound(eta), TokenByTokenBackend(random.Random(seed + 1))
+        queue = GenerationQueue(backend, inflight_weight_updates=True)
+        submitted = 0
+        try:
+            for version in range(num_batches):
+                queue.publish(version, weights(version))
+                while submitted <= min(bound.last_submittable(version), num_batches - 1):
+                    queue.submit(submitted, [[submitted, i] for i in range(2)], bound.min_version(submitted))
+                    submitted += 1
+                result = queue.get(version, timeout=10)
+                for ids, behaviour in zip(result.batch.completion_ids, result.batch.versions):
+                    assert len(ids) == backend.length  # whole: tokens before and after each switch, none lost
+                    assert behaviour == ids  # each token's recorded version is the one that sampled it
+                    assert behaviour == sorted(behaviour)  # versions only move forward within a sequence
+                    assert all(version - eta <= v <= version for v in behaviour), (seed, version, behaviour, eta)
+                    mixed += len(set(behaviour)) > 1
+                time.sleep(rng.random() * 0.002)
+        finally:
+            queue.close(timeout=10)
+        assert not queue._thread.is_alive()
+    assert mixed > 0  # the schedules did switch mid-sequence

@@ -65,6 +65,9 @@ class A3POConfig(GRPOConfig):
             Folder the server reads (disk transport, adapters); `None` = `<output_dir>/weight_sync`.
         weight_sync_steps (`int`, *optional*, defaults to `1`):
             Load a newer version into the generator only when the one it holds is this many versions old.
+        inflight_weight_updates (`bool`, *optional*, defaults to `False`):
+            Load a newer version in the middle of a generation, between two tokens, continuing each unfinished
+            sequence under the new weights (per-token versions). In-process backend only, for now.
     """
 
     prox_logp_method: str = field(
@@ -211,6 +214,18 @@ class A3POConfig(GRPOConfig):
         },
     )
 
+    inflight_weight_updates: bool = field(
+        default=False,
+        metadata={
+            "help": "Switch the generator to a newer policy version in the middle of a generation, between two "
+            "tokens: every unfinished sequence continues from its prompt and the tokens so far, their keys and values "
+            "recomputed by the new weights, and each token records the version that sampled it (its own staleness and "
+            "alpha in the loss). Fewer stale tokens in long generations, at the cost of one prefill per switch. Off by "
+            "default until a benchmark on a long-tailed workload shows where it pays; off keeps one version per "
+            "sequence. In-process backend only (the vLLM server path is not built yet)."
+        },
+    )
+
     def __post_init__(self):
         if self.vllm_importance_sampling_correction is None:
             self.vllm_importance_sampling_correction = not self.use_decoupled_loss
@@ -332,6 +347,12 @@ class A3POConfig(GRPOConfig):
                 "lora_weight_sync='adapter' sends LoRA adapters to a vLLM server; with rollout_backend="
                 f"{self.rollout_backend!r} the generator always runs the merged weights: set lora_weight_sync='auto' "
                 "(or 'merged'), or rollout_backend='vllm_server'."
+            )
+        if self.inflight_weight_updates and not (self.async_generation and self.rollout_backend == "inprocess"):
+            raise ValueError(
+                "inflight_weight_updates=True switches versions inside the in-process producer's generations; it needs "
+                f"async_generation=True and rollout_backend='inprocess' (got async_generation={self.async_generation}, "
+                f"rollout_backend={self.rollout_backend!r}). Set inflight_weight_updates=False."
             )
         if self.weight_sync_steps < 1:
             raise ValueError(f"weight_sync_steps={self.weight_sync_steps} must be >= 1.")

@@ -402,7 +402,8 @@ class A3POTrainer(GRPOTrainer):
                                                     peft_configs=model.peft_config if is_peft_model(model) else None)
             self._sends_adapter = backend.sync_mode == "adapter"
             served = list(range(self.accelerator.num_processes))
-        self._queue = GenerationQueue(backend, sync_every=self.args.weight_sync_steps)
+        self._queue = GenerationQueue(backend, sync_every=self.args.weight_sync_steps,
+                                      inflight_weight_updates=self.args.inflight_weight_updates)
         self._prompt_plans = [self._generation_batches(start, p) for p in served]
 
     @contextlib.contextmanager
@@ -750,6 +751,10 @@ class A3POTrainer(GRPOTrainer):
         eta = self.args.max_staleness
         tokens_at = torch.bincount(staleness[in_mask].clamp(min=0, max=eta), minlength=eta + 1).float()
         alpha = staleness_alpha(staleness)
+        # Sequences whose tokens come from more than one version (in-flight weight updates).
+        newest = staleness.masked_fill(~in_mask, torch.iinfo(staleness.dtype).max).min(-1).values
+        oldest = staleness.masked_fill(~in_mask, -1).max(-1).values
+        mixed = ((newest != oldest) & in_mask.any(-1)).sum().float()
         sums = reduce(
             torch.cat([torch.stack(
                 [
@@ -766,13 +771,14 @@ class A3POTrainer(GRPOTrainer):
                     stats["seq_below_min_sum"],
                     (staleness * in_mask).sum().float(),
                     (alpha * in_mask).sum(),
+                    mixed,
                 ]
             ), tokens_at]),
             reduction="sum",
         )
         (tokens, weight_sum, weight_count, capped, clip_low, clip_high, dual, below, seqs, seq_capped, seq_below,
-         staleness_sum, alpha_sum) = sums[:13]
-        tokens_at = sums[13:]
+         staleness_sum, alpha_sum, mixed) = sums[:14]
+        tokens_at = sums[14:]
         tokens, seqs = tokens.clamp(min=1.0), seqs.clamp(min=1.0)
         extremes = self.accelerator.gather(
             torch.stack([stats["behav_imp_weight_min"], stats["ratio_min"]]).unsqueeze(0)
@@ -786,6 +792,7 @@ class A3POTrainer(GRPOTrainer):
             # Histogram inputs: the share of trained tokens at each staleness 0..max_staleness.
             for d, share in enumerate(tokens_at / tokens):
                 defer(f"a3po/staleness/frac_d{d}", share)
+            defer("a3po/gen/mixed_version_frac", mixed / seqs)
         defer("a3po/alpha/mean", alpha_sum / tokens)
         defer("a3po/behav_imp_weight/mean", weight_sum / weight_count.clamp(min=1.0))
         defer("a3po/behav_imp_weight/min", nanmin(extremes[:, 0]))

@@ -6,7 +6,7 @@ import contextlib
 import copy
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 from transformers import GenerationConfig, PreTrainedModel, StoppingCriteria, StoppingCriteriaList
@@ -43,6 +43,7 @@ def generate_with_behavior_logprobs(
     eos_token_ids: list[int],
     stop: threading.Event | None = None,
     synced_gpus: bool | None = None,
+    interrupt: Callable[[], bool] | None = None,
 ) -> tuple[list[list[int]], list[list[float]]]:
     """Sample one completion per prompt; return the completion ids (up to and including the first EOS) and, for
     each sampled token, its log-prob under the distribution it was sampled from.
@@ -53,7 +54,8 @@ def generate_with_behavior_logprobs(
     in-process backend's batch sizes; large-vocabulary, long-generation runs belong on a vLLM server. Once `stop` is
     set, generation ends at the next token (the caller discards the incomplete result). `synced_gpus` is `generate`'s
     (None: its default, True under ZeRO-3 / FSDP with several processes, where every process must step together);
-    a private snapshot passes False, since it is whole and must never enter a collective.
+    a private snapshot passes False, since it is whole and must never enter a collective. Once `interrupt()` returns
+    True, generation also ends at the next token (a newer version is due: the caller continues the unfinished rows).
     """
     device = model.device
     input_ids, attention_mask = left_pad(prompt_ids, pad_token_id)
@@ -68,7 +70,7 @@ def generate_with_behavior_logprobs(
         input_ids=input_ids.to(device),
         attention_mask=attention_mask.to(device),
         generation_config=generation_config,
-        stopping_criteria=StoppingCriteriaList([_StopWhenSet(stop)]) if stop is not None else None,
+        stopping_criteria=StoppingCriteriaList([_StopWhen(stop, interrupt)]) if stop or interrupt else None,
         synced_gpus=synced_gpus,
     )
     completion = out.sequences[:, width:]
@@ -154,18 +156,36 @@ class InProcessBackend:
                 synced_gpus=False,
             )
 
+    def generate_until(self, prompt_ids: list[list[int]], stop: threading.Event, interrupt: Callable[[], bool],
+                       generated: int = 0) -> tuple[list[list[int]], list[list[float]], list[bool]]:
+        """Generate until done or `interrupt()`; `prompt_ids` may end with `generated` tokens already sampled (a
+        continuation after a weight update: their keys and values are recomputed by the weights loaded now). Returns
+        the new tokens, their log-probs, and per row whether it is unfinished (no EOS yet, budget left)."""
+        budget = self.generation_config.max_new_tokens - generated
+        config = copy.copy(self.generation_config)
+        config.max_new_tokens = budget
+        with self._on_generator_stream(), torch.no_grad():
+            ids, logprobs = generate_with_behavior_logprobs(
+                self.snapshot, prompt_ids, config, self.pad_token_id, self.eos_token_ids, stop=stop,
+                synced_gpus=False, interrupt=interrupt)
+        eos = set(self.eos_token_ids)
+        unfinished = [len(row) < budget and not (row and row[-1] in eos) for row in ids]
+        return ids, logprobs, unfinished
+
     def close(self) -> None:
         pass
 
 
-class _StopWhenSet(StoppingCriteria):
-    """Ends `generate` at the next token once `event` is set (training is ending)."""
+class _StopWhen(StoppingCriteria):
+    """Ends `generate` (every row at the same token) once `stop` is set (training is ending) or `interrupt()` says so
+    (a newer version is due)."""
 
-    def __init__(self, event: threading.Event):
-        self.event = event
+    def __init__(self, stop: threading.Event | None, interrupt: Callable[[], bool] | None):
+        self.stop, self.interrupt = stop, interrupt
 
     def __call__(self, input_ids, scores, **kwargs):
-        return torch.full((input_ids.size(0),), self.event.is_set(), dtype=torch.bool, device=input_ids.device)
+        now = bool((self.stop is not None and self.stop.is_set()) or (self.interrupt is not None and self.interrupt()))
+        return torch.full((input_ids.size(0),), now, dtype=torch.bool, device=input_ids.device)
 
 
 def _is_tied(model: PreTrainedModel, name: str) -> bool:

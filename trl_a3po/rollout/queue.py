@@ -100,11 +100,18 @@ class GenerationQueue:
 
     `sync_every` (weight_sync_steps): the producer loads a newer version only when the one it holds is older than the
     request's `min_version` or at least `sync_every` versions behind the newest.
+
+    `inflight_weight_updates`: the producer also loads such a version in the middle of a generation, between two
+    tokens (the backend's `generate_until`), and continues every unfinished sequence from its prompt and the tokens so
+    far under the new weights; each token records the version that sampled it. Off: a generation runs to its end
+    with the version it started with.
     """
 
-    def __init__(self, backend: RolloutBackend, sync_every: int = 1, name: str = "a3po-producer"):
+    def __init__(self, backend: RolloutBackend, sync_every: int = 1, name: str = "a3po-producer",
+                 inflight_weight_updates: bool = False):
         self._backend = backend
         self._sync_every = sync_every
+        self._inflight = inflight_weight_updates
         self._requests: queue.SimpleQueue[_Request | None] = queue.SimpleQueue()
         self._results: queue.SimpleQueue[GenerationResult | _Failure] = queue.SimpleQueue()
         self._weights_lock = threading.Lock()  # guards `_published` only
@@ -198,17 +205,51 @@ class GenerationQueue:
                     return
                 idle_s = time.perf_counter() - idle_start
                 sync_s = self._load_weights_for(request.min_version)
-                self._doing = f"generating batch {request.index} with version {self._held_version}"
                 start = time.perf_counter()
-                completion_ids, logprobs = self._backend.generate(request.prompt_ids, self._stop)
+                if self._inflight:
+                    completion_ids, logprobs, versions, switch_s = self._generate_across_versions(request)
+                else:
+                    self._doing = f"generating batch {request.index} with version {self._held_version}"
+                    completion_ids, logprobs = self._backend.generate(request.prompt_ids, self._stop)
+                    versions = [[self._held_version] * len(ids) for ids in completion_ids]
+                    switch_s = 0.0
                 if self._stop.is_set():
                     return  # abandoned mid-way: training is ending
-                versions = [[self._held_version] * len(ids) for ids in completion_ids]
-                batch = GeneratedBatch(completion_ids, logprobs, versions, time.perf_counter() - start, sync_s)
+                batch = GeneratedBatch(completion_ids, logprobs, versions,
+                                       time.perf_counter() - start - switch_s, sync_s + switch_s)
                 self._results.put(GenerationResult(request.index, request.prompt_ids, batch, idle_s))
         except BaseException as error:  # re-raised in the trainer's thread by get() / raise_if_failed()
             self._error = error
             self._results.put(_Failure(error))
+
+    def _generate_across_versions(self, request: _Request):
+        """One request, switching to a newer version between two tokens whenever one is due; returns the completions,
+        their log-probs and per-token versions, and the seconds spent loading versions mid-way."""
+        n = len(request.prompt_ids)
+        ids, logprobs, versions = [[] for _ in range(n)], [[] for _ in range(n)], [[] for _ in range(n)]
+        active, switch_s = list(range(n)), 0.0
+        while True:
+            self._doing = f"generating batch {request.index} with version {self._held_version}"
+            # The rows still active have all sampled the same number of tokens (every row stops at the same token).
+            new_ids, new_logprobs, unfinished = self._backend.generate_until(
+                [request.prompt_ids[i] + ids[i] for i in active], self._stop, self._newer_version_due,
+                generated=len(ids[active[0]]))
+            if self._stop.is_set():
+                return ids, logprobs, versions, switch_s  # abandoned: the caller discards it
+            for row, i in enumerate(active):
+                ids[i] += new_ids[row]
+                logprobs[i] += new_logprobs[row]
+                versions[i] += [self._held_version] * len(new_ids[row])
+            active = [i for row, i in enumerate(active) if unfinished[row]]
+            if not active:
+                return ids, logprobs, versions, switch_s
+            switch_s += self._load_weights_for(request.min_version)
+
+    def _newer_version_due(self) -> bool:
+        """Whether `_load_weights_for` would load now (the producer holds a version at least `sync_every` old)."""
+        with self._weights_lock:
+            version = self._published[0]
+        return version - self._held_version >= self._sync_every
 
     def _load_weights_for(self, min_version: int) -> float:
         with self._weights_lock:
