@@ -40,7 +40,7 @@ class FakeBackend:
 
 
 def weights(version):
-    return {"version": version}.items()  # what publish takes: (name, tensor) pairs
+    return {"version": version}
 
 
 def run_schedule(seed, max_delay=0.0005):

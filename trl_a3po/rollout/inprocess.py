@@ -6,13 +6,13 @@ import contextlib
 import copy
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 
 import torch
 from transformers import GenerationConfig, PreTrainedModel, StoppingCriteria, StoppingCriteriaList
 from trl.trainer.utils import pad
 
-from .staging import StagedWeights, stage_copy, wait_until_staged
+from .staging import NamedTensors, StagedWeights, as_pairs, stage_copy, wait_until_staged
 
 
 def left_pad(prompt_ids: list[list[int]], pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -128,9 +128,9 @@ class InProcessBackend:
         with torch.cuda.device(self._device), torch.cuda.stream(self._stream):
             yield
 
-    def stage(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> StagedWeights:
+    def stage(self, named_tensors: NamedTensors) -> StagedWeights:
         wanted = set(self._names)
-        staged = stage_copy(((name, tensor) for name, tensor in named_tensors if name in wanted),
+        staged = stage_copy(((name, tensor) for name, tensor in as_pairs(named_tensors) if name in wanted),
                             lambda tensor: tensor.to(self._device, copy=True))
         missing = [name for name in self._names if name not in staged.tensors]
         if missing:

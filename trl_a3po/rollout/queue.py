@@ -27,7 +27,7 @@ import queue
 import threading
 import time
 import warnings
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -51,7 +51,7 @@ class RolloutBackend(Protocol):
     """What the producer drives. `stage` runs on the trainer's main thread (a private copy of the weights in the
     form the generator wants: device, dtype); `load` and `generate` run in the producer thread."""
 
-    def stage(self, named_tensors: Iterable[tuple[str, object]]) -> object: ...
+    def stage(self, named_tensors: Mapping[str, object] | Iterable[tuple[str, object]]) -> object: ...
 
     def load(self, staged: object) -> float:  # returns the seconds it took
         ...
@@ -127,9 +127,9 @@ class GenerationQueue:
 
     # -------------------------------------------------------------- trainer side (main thread)
 
-    def publish(self, version: int, named_tensors: Iterable[tuple[str, object]]) -> None:
-        """Hand the generator version `version`: `named_tensors` ((name, tensor) pairs of the live weights, HF names)
-        are staged into a private copy here, on the calling thread, so the producer never touches the trainer's
+    def publish(self, version: int, named_tensors: Mapping[str, object] | Iterable[tuple[str, object]]) -> None:
+        """Hand the generator version `version`: `named_tensors` (the live weights under HF names: a mapping, or
+        (name, tensor) pairs) are staged into a private copy here, on the calling thread, so the producer never touches the trainer's
         parameters."""
         staged = self._backend.stage(named_tensors)
         with self._weights_lock:

@@ -8,7 +8,7 @@ carries that event; `wait_until_staged` makes the reading stream wait for it and
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -20,12 +20,20 @@ class StagedWeights:
     ready: torch.cuda.Event | None  # recorded on the staging stream after the last copy; None off CUDA
 
 
-def stage_copy(named_tensors: Iterable[tuple[str, torch.Tensor]],
+NamedTensors = Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
+
+
+def as_pairs(named_tensors: NamedTensors) -> Iterable[tuple[str, torch.Tensor]]:
+    """(name, tensor) pairs from a mapping or from pairs (a source that gathers shards one at a time yields pairs)."""
+    return named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors
+
+
+def stage_copy(named_tensors: NamedTensors,
                copy: Callable[[torch.Tensor], torch.Tensor]) -> StagedWeights:
     """Copy every tensor with `copy` (on the calling thread's current stream) as it comes, and record when the copies
     are done. Taking each tensor as it comes lets the source gather sharded parameters one at a time."""
     with torch.no_grad():
-        staged = {name: copy(tensor.detach()) for name, tensor in named_tensors}
+        staged = {name: copy(tensor.detach()) for name, tensor in as_pairs(named_tensors)}
     ready = None
     if any(t.is_cuda for t in staged.values()):
         ready = torch.cuda.Event()

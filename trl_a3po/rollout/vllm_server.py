@@ -23,13 +23,12 @@ import time
 import uuid
 import warnings
 import weakref
-from collections.abc import Iterable
 from urllib.parse import urlparse
 
 import requests
 import torch
 
-from .staging import StagedWeights, stage_copy, wait_until_staged
+from .staging import NamedTensors, StagedWeights, as_pairs, stage_copy, wait_until_staged
 
 logger = logging.getLogger(__name__)
 
@@ -266,7 +265,7 @@ class VLLMServerBackend:
 
     # -------------------------------------------------------------- backend interface
 
-    def stage(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> StagedWeights:
+    def stage(self, named_tensors: NamedTensors) -> StagedWeights:
         if self.lora is not None:  # the adapter's tensors go through a folder: CPU copies
             return DiskTransport.stage(named_tensors)
         return self.transport.stage(named_tensors)
@@ -407,7 +406,7 @@ class DiskTransport:
         pass
 
     @staticmethod
-    def stage(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> StagedWeights:
+    def stage(named_tensors: NamedTensors) -> StagedWeights:
         return stage_copy(named_tensors, lambda tensor: tensor.to("cpu", copy=True).contiguous())
 
     def push(self, backend: VLLMServerBackend, staged: StagedWeights) -> None:
@@ -481,13 +480,13 @@ class NCCLTransport:
                                  connection_timeout=self.timeout_s)
         self.client.init_communicator(device=self.device)
 
-    def stage(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> StagedWeights:
+    def stage(self, named_tensors: NamedTensors) -> StagedWeights:
         # Tied tensors (a tied lm_head is the embedding's storage) once: the server ties them itself. A tensor is a
         # repeat only if an earlier one with its address is still alive: the source may gather sharded parameters one
         # at a time, and a freed parameter's address is reused by the next.
         def unique():
             seen: dict[tuple, weakref.ref] = {}
-            for name, tensor in named_tensors:
+            for name, tensor in as_pairs(named_tensors):
                 key = (tensor.data_ptr(), tensor.storage_offset(), tuple(tensor.shape))
                 earlier = seen.get(key)
                 if earlier is None or earlier() is None:
