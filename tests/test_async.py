@@ -13,7 +13,7 @@ from transformers import TrainerCallback
 from test_trainer import COMMON, logged
 
 from trl_a3po import A3POConfig, A3POTrainer
-from trl_a3po.rollout import InProcessBackend, ProducerError, build_whole_snapshot
+from trl_a3po.rollout import GenerationQueue, InProcessBackend, ProducerError, build_whole_snapshot
 from trl_a3po.rollout.vllm_server import VLLMServerUnreachable
 
 
@@ -28,6 +28,14 @@ class Recorder:
     def __call__(self, prompts, completions, **kwargs):
         self.prompts.append(list(prompts))
         return digit_reward(completions)
+
+
+def slow_generation(monkeypatch, seconds_per_token=0.02):
+    """Slow the producer's generation down (it asks whether a newer version is due once per token), so that with
+    in-flight weight updates versions are published in the middle of sequences."""
+    newer_version_due = GenerationQueue._newer_version_due
+    monkeypatch.setattr(GenerationQueue, "_newer_version_due",
+                        lambda queue: time.sleep(seconds_per_token) or newer_version_due(queue))
 
 
 def make(tmp_path, tokenizer, dataset, reward=digit_reward, peft_config=None, **kwargs):
@@ -215,12 +223,7 @@ def test_inflight_weight_updates_keep_every_token_on_its_recorded_version(tmp_pa
     # In-flight updates on: generation slowed (20 ms a token) so that versions are published mid-sequence. Every
     # trained token's behaviour log-prob is what its own recorded version gives it, sequences do mix versions, the
     # bound holds per token, and the prompt order is the synchronous run's.
-    real = InProcessBackend.generate_until
-
-    def slow(self, prompt_ids, stop, interrupt, generated=0):
-        return real(self, prompt_ids, stop, lambda: time.sleep(0.02) or interrupt(), generated)
-
-    monkeypatch.setattr(InProcessBackend, "generate_until", slow)
+    slow_generation(monkeypatch)
     runs = {}
     for mode in ("sync", "inflight"):
         reward = Recorder()

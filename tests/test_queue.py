@@ -272,9 +272,10 @@ class TokenByTokenBackend:
         self.loaded = staged["version"]
         return 0.0
 
-    def generate_until(self, prompt_ids, stop, interrupt, generated=0):
+    def generate_until(self, prompt_ids, stop, interrupt, generated):
         assert all(len(p) == len(prompt_ids[0]) for p in prompt_ids)  # prompts of equal length + equal prefixes
-        budget = self.length - generated
+        assert len(set(generated)) == 1
+        budget = self.length - generated[0]
         ids = [[] for _ in prompt_ids]
         for _ in range(budget):
             time.sleep(self.rng.random() * 0.0005)

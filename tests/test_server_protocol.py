@@ -2,6 +2,7 @@
 names what the server lacks before any weight moves. The real CPU server runs in tests/test_vllm_server.py."""
 
 import re
+import threading
 import time
 
 import pytest
@@ -90,6 +91,24 @@ def test_the_start_up_probe_names_what_the_server_lacks(tmp_path, monkeypatch, s
         with pytest.raises(VLLMServerSetupError, match=message):
             VLLMServerBackend.from_config(args, eos_token_ids=[1])
         assert not any(p.startswith(("/collective_rpc", "/init_weight_transfer_engine")) for p in server.paths)
+
+
+def test_an_interrupted_request_keeps_the_tokens_received_and_cuts_each_row_at_its_budget(tmp_path):
+    # In-flight updates on the server: the stand-in streams 2 tokens per row (token 5, then 6 with finish "length").
+    args = A3POConfig(output_dir=str(tmp_path), rollout_backend="vllm_server", weight_sync_transport="disk",
+                      **{**COMMON, "max_completion_length": 2})
+    stop = threading.Event()
+    with StandinServer() as server:
+        args.vllm_server_port = server.port
+        backend = VLLMServerBackend.from_config(args, eos_token_ids=[1])
+        # Interrupted at the first event (row 0's first token): that token is kept, every row is unfinished.
+        ids, logprobs, unfinished = backend.generate_until([[3, 4], [3, 4, 4]], stop, lambda: True, [0, 0])
+        assert ids == [[5], []] and logprobs == [[-0.5], []] and unfinished == [True, True]
+        # Row 0 continues with 1 of its 2 tokens sampled: its budget is 1, so the second token the request streams
+        # (asked for the largest budget, row 1's 2) is cut, as max_tokens would have; row 1 finishes by length.
+        ids, logprobs, unfinished = backend.generate_until([[3, 4, 5], [3, 4, 4]], stop, lambda: False, [1, 0])
+        assert ids == [[5], [5, 6]] and logprobs == [[-0.5], [-0.5, -0.5]] and unfinished == [False, False]
+        backend.close()
 
 
 def test_nccl_needs_vllm_beside_the_trainer(tmp_path, monkeypatch):

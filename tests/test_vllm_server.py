@@ -12,7 +12,12 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import digit_reward, free_port, make_tokenizer, producer_threads, require_deepspeed
-from test_async import VersionRecorder, check_behaviour_logprobs_against_versions, record_trained_samples
+from test_async import (
+    VersionRecorder,
+    check_behaviour_logprobs_against_versions,
+    record_trained_samples,
+    slow_generation,
+)
 from test_accelerate import check_ranks_follow_the_synchronous_shards, launch
 from test_trainer import COMMON, logged
 from transformers import AutoModelForCausalLM, Qwen2Config, TrainerCallback
@@ -115,12 +120,18 @@ def test_disk_sync_makes_the_server_match_the_trainers_weights(tmp_path, vllm_se
     backend.close()
 
 
-def test_async_training_on_the_vllm_server_respects_the_bound(tmp_path, vllm_server, prompt_dataset):
+@pytest.mark.parametrize("inflight", [False, True])
+def test_async_training_on_the_vllm_server_respects_the_bound(tmp_path, vllm_server, prompt_dataset, inflight,
+                                                              monkeypatch):
+    if inflight:  # requests aborted mid-sequence, the version pushed, the rest resubmitted
+        slow_generation(monkeypatch)
     trainer = make_trainer(tmp_path, vllm_server, prompt_dataset, steps_per_generation=2, max_steps=8,
-                           weight_sync_transport="disk", max_staleness=2, learning_rate=1e-2)
+                           weight_sync_transport="disk", max_staleness=2, learning_rate=1e-2,
+                           inflight_weight_updates=inflight)
     versions = VersionRecorder(trainer)
     trainer.add_callback(versions)
     samples = record_trained_samples(trainer)
+    before = weight_pushes_logged(vllm_server)
     trainer.train()
     staleness = logged(trainer, "a3po/staleness/max")
     assert len(staleness) == 8 and max(staleness) <= trainer.args.max_staleness == 2
@@ -129,8 +140,9 @@ def test_async_training_on_the_vllm_server_respects_the_bound(tmp_path, vllm_ser
     assert check_behaviour_logprobs_against_versions(trainer, versions, samples, atol=1e-3) == 8 * 4
     # a push happens exactly when the producer moves to a newer version: once per distinct behaviour version
     behaviour_versions = {int(v) for inputs in samples for v in inputs["behavior_version"].unique()}
-    pushes = [s for s in logged(trainer, "a3po/gen/weight_sync_s") if s > 0]
-    assert len(pushes) == len(behaviour_versions) and len(behaviour_versions) >= 2
+    assert weight_pushes_logged(vllm_server) - before == len(behaviour_versions) >= 2
+    if inflight:
+        assert max(logged(trainer, "a3po/gen/mixed_version_frac")) > 0
     # at staleness <= 1 the proximal policy is the behaviour policy: weight exactly 1
     for d, w_min, w_max in zip(staleness, logged(trainer, "a3po/behav_imp_weight/min"),
                                logged(trainer, "a3po/behav_imp_weight/max")):
@@ -168,7 +180,7 @@ def weight_pushes_logged(server):
 
 # (LoRA with merged weights across two processes: the adapter test below covers two processes with LoRA, and the
 # merged export is tested in one process, tests/test_async.py, to keep CI within its time.)
-@pytest.mark.parametrize("mode", ["vllm", "vllm-zero3"])
+@pytest.mark.parametrize("mode", ["vllm", "vllm-zero3", "vllm-inflight"])
 def test_two_processes_share_one_server_with_one_push_per_version(tmp_path, vllm_server, synchronous_shards, mode):
     # The production shape: several training processes, one vLLM server. The main process owns the server's weights
     # and generates every rank's share; each rank trains exactly its synchronous share. With LoRA, the server gets
@@ -188,6 +200,8 @@ def test_two_processes_share_one_server_with_one_push_per_version(tmp_path, vllm
     assert pushes == len(versions)  # one push per version the generator used, not one per rank
     if mode == "vllm-zero3":
         assert ranks[0]["partitioned_fraction"] == ranks[1]["partitioned_fraction"] == 0.5
+    if mode == "vllm-inflight":  # requests aborted mid-sequence, weights pushed, the rest resubmitted
+        assert ranks[0]["mixed"] + ranks[1]["mixed"] > 0
 
 
 def test_nccl_transport_has_one_communicator_and_one_packed_push_per_version(tmp_path, vllm_server):

@@ -67,7 +67,7 @@ class A3POConfig(GRPOConfig):
             Load a newer version into the generator only when the one it holds is this many versions old.
         inflight_weight_updates (`bool`, *optional*, defaults to `False`):
             Load a newer version in the middle of a generation, between two tokens, continuing each unfinished
-            sequence under the new weights (per-token versions). In-process backend only, for now.
+            sequence under the new weights (per-token versions); on a vLLM server: abort, push, resubmit.
     """
 
     prox_logp_method: str = field(
@@ -222,7 +222,8 @@ class A3POConfig(GRPOConfig):
             "recomputed by the new weights, and each token records the version that sampled it (its own staleness and "
             "alpha in the loss). Fewer stale tokens in long generations, at the cost of one prefill per switch. Off by "
             "default until a benchmark on a long-tailed workload shows where it pays; off keeps one version per "
-            "sequence. In-process backend only (the vLLM server path is not built yet)."
+            "sequence. On a vLLM server the request is aborted, the version pushed, and the unfinished sequences "
+            "resubmitted with the tokens received so far."
         },
     )
 
@@ -348,11 +349,10 @@ class A3POConfig(GRPOConfig):
                 f"{self.rollout_backend!r} the generator always runs the merged weights: set lora_weight_sync='auto' "
                 "(or 'merged'), or rollout_backend='vllm_server'."
             )
-        if self.inflight_weight_updates and not (self.async_generation and self.rollout_backend == "inprocess"):
+        if self.inflight_weight_updates and not self.async_generation:
             raise ValueError(
-                "inflight_weight_updates=True switches versions inside the in-process producer's generations; it needs "
-                f"async_generation=True and rollout_backend='inprocess' (got async_generation={self.async_generation}, "
-                f"rollout_backend={self.rollout_backend!r}). Set inflight_weight_updates=False."
+                "inflight_weight_updates=True switches versions inside the producer's generations; it needs "
+                "async_generation=True. Set inflight_weight_updates=False."
             )
         if self.weight_sync_steps < 1:
             raise ValueError(f"weight_sync_steps={self.weight_sync_steps} must be >= 1.")

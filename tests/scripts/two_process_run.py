@@ -7,12 +7,16 @@ its samples' behaviour versions, and how many samples it checked against the wei
                                                                  one vLLM server for both ranks
     two_process_run.py OUT_DIR standin|standin-stagefail PORT   a stand-in server set up to fail (the run fails)
 
+`async-inflight` and `vllm-inflight` turn on in-flight weight updates, with generation slowed (20 ms each time the
+producer asks whether a newer version is due, i.e. per token) so that versions are published mid-sequence.
+
 `vllm-nccl-standin` replaces TRL's VLLMClient (the NCCL weight transfer, which needs GPUs) with a recorder, to count
 who initialises a communicator and how many pushes reach it; generation still runs on the real server.
 """
 
 import json
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests/ for conftest helpers
@@ -23,9 +27,14 @@ from datasets import Dataset  # noqa: E402
 from test_async import VersionRecorder, check_behaviour_logprobs_against_versions, record_trained_samples  # noqa: E402
 
 from trl_a3po import A3POConfig, A3POTrainer  # noqa: E402
+from trl_a3po.rollout import GenerationQueue  # noqa: E402
 
 out_dir, mode = Path(sys.argv[1]), sys.argv[2]
+inflight = mode.endswith("-inflight")
 seen = []
+if inflight:
+    newer_version_due = GenerationQueue._newer_version_due
+    GenerationQueue._newer_version_due = lambda queue: time.sleep(0.02) or newer_version_due(queue)
 
 
 def recorded_reward(prompts, completions, **kwargs):
@@ -103,6 +112,7 @@ args = A3POConfig(
     output_dir=str(out_dir / mode), per_device_train_batch_size=2, num_generations=4, max_completion_length=6,
     steps_per_generation=2, max_steps=8, logging_steps=1, report_to="none", use_cpu=not zero3, save_strategy="no",
     seed=0, bf16=False, learning_rate=1e-2, async_generation=(mode != "sync"), max_staleness=2, **server,
+    inflight_weight_updates=inflight,
     # DeepSpeed on CPU: `use_cpu` would bypass it; gloo instead of NCCL; fp32
     **({"ddp_backend": "gloo"} if zero3 else {}),
 )
@@ -132,6 +142,8 @@ staleness = [h["a3po/staleness/max"] for h in trainer.state.log_history if "a3po
         "prompts": seen, "staleness_max": staleness, "eta": args.max_staleness,
         "world": trainer.accelerator.num_processes, "checked": checked,
         "behaviour_versions": sorted({int(v) for s in samples for v in s["behavior_version"].unique()}),
+        "mixed": sum(len(s["behavior_version"][row][s["completion_mask"][row].bool()].unique()) > 1
+                     for s in samples for row in range(len(s["behavior_version"]))),
         "client_calls": RecordingClient.calls, "partitioned_fraction": partitioned_fraction,
         "client_updates": RecordingClient.updates, "group_ports": RecordingClient.group_ports,
         "parameter_names": sorted(name for name, _ in trainer.model.named_parameters()),

@@ -157,11 +157,14 @@ class InProcessBackend:
             )
 
     def generate_until(self, prompt_ids: list[list[int]], stop: threading.Event, interrupt: Callable[[], bool],
-                       generated: int = 0) -> tuple[list[list[int]], list[list[float]], list[bool]]:
-        """Generate until done or `interrupt()`; `prompt_ids` may end with `generated` tokens already sampled (a
-        continuation after a weight update: their keys and values are recomputed by the weights loaded now). Returns
-        the new tokens, their log-probs, and per row whether it is unfinished (no EOS yet, budget left)."""
-        budget = self.generation_config.max_new_tokens - generated
+                       generated: list[int]) -> tuple[list[list[int]], list[list[float]], list[bool]]:
+        """Generate until done or `interrupt()`; row r's prompt may end with `generated[r]` tokens already sampled (a
+        continuation after a weight update: their keys and values are recomputed by the weights loaded now; every row
+        stops at the same token, so all have sampled as many). Returns the new tokens, their log-probs, and per row
+        whether it is unfinished (no EOS yet, budget left)."""
+        if len(set(generated)) > 1:
+            raise ValueError(f"rows continued together must have sampled as many tokens; got {sorted(set(generated))}")
+        budget = self.generation_config.max_new_tokens - generated[0]
         config = copy.copy(self.generation_config)
         config.max_new_tokens = budget
         with self._on_generator_stream(), torch.no_grad():

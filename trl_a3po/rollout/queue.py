@@ -230,10 +230,9 @@ class GenerationQueue:
         active, switch_s = list(range(n)), 0.0
         while True:
             self._doing = f"generating batch {request.index} with version {self._held_version}"
-            # The rows still active have all sampled the same number of tokens (every row stops at the same token).
             new_ids, new_logprobs, unfinished = self._backend.generate_until(
                 [request.prompt_ids[i] + ids[i] for i in active], self._stop, self._newer_version_due,
-                generated=len(ids[active[0]]))
+                generated=[len(ids[i]) for i in active])
             if self._stop.is_set():
                 return ids, logprobs, versions, switch_s  # abandoned: the caller discards it
             for row, i in enumerate(active):

@@ -322,6 +322,44 @@ class VLLMServerBackend:
             )
 
     def generate(self, prompt_ids: list[list[int]], stop: threading.Event):
+        completion_ids, logprobs, finish_reasons, _ = self._stream(prompt_ids, stop, None, self.sampling["max_tokens"])
+        if stop.is_set():
+            return completion_ids, logprobs  # abandoned: the caller discards it
+        unfinished = [row for row, reason in enumerate(finish_reasons) if reason not in ("stop", "length")]
+        if unfinished:
+            row = unfinished[0]
+            raise VLLMServerError(
+                f"The vLLM server at {self.where} ended {len(unfinished)} of {len(prompt_ids)} completions without "
+                f"finishing them (prompt {row}: finish_reason {finish_reasons[row]!r} after {len(completion_ids[row])} "
+                "tokens); a truncated completion is never trained. Check the server's log."
+            )
+        return completion_ids, logprobs
+
+    def generate_until(self, prompt_ids: list[list[int]], stop: threading.Event, interrupt, generated: list[int]):
+        """In-flight weight updates: generate until done or `interrupt()` (checked at every streamed event); then the
+        response is closed, which aborts the request on the server, and only the tokens received (all sampled by the
+        weights the server held) are kept. Row r's prompt may end with `generated[r]` tokens already sampled: its
+        budget is the rest of max_tokens (one request asks for the largest budget; a row past its own is cut there,
+        as max_tokens would have). Returns the new tokens, their log-probs, and per row whether it is unfinished."""
+        budgets = [self.sampling["max_tokens"] - done for done in generated]
+        completion_ids, logprobs, finish_reasons, interrupted = self._stream(prompt_ids, stop, interrupt, max(budgets))
+        unfinished = [False] * len(prompt_ids)
+        if stop.is_set():
+            return completion_ids, logprobs, unfinished
+        for row, budget in enumerate(budgets):
+            if len(completion_ids[row]) >= budget:
+                del completion_ids[row][budget:], logprobs[row][budget:]
+            elif finish_reasons[row] not in ("stop", "length"):
+                if not interrupted:
+                    raise VLLMServerError(
+                        f"The vLLM server at {self.where} ended completion {row} without finishing it (finish_reason "
+                        f"{finish_reasons[row]!r} after {len(completion_ids[row])} tokens). Check the server's log.")
+                unfinished[row] = True
+        return completion_ids, logprobs, unfinished
+
+    def _stream(self, prompt_ids: list[list[int]], stop: threading.Event, interrupt, max_tokens: int):
+        """One streamed /v1/completions request; returns the token ids, log-probs and finish reasons received, and
+        whether `interrupt()` ended it early. Closing the response aborts the request on the server."""
         payload = {
             "model": self.served_model,
             "prompt": prompt_ids,
@@ -330,21 +368,23 @@ class VLLMServerBackend:
             "return_token_ids": True,
             "stream": True,
             **self.sampling,
+            "max_tokens": max_tokens,
         }
         doing = f"generating {len(prompt_ids)} completions"
         completion_ids = [[] for _ in prompt_ids]
         logprobs = [[] for _ in prompt_ids]
         finish_reasons = [None] * len(prompt_ids)
+        interrupted = False
         try:
             with self.session.post(f"{self.base_url}/v1/completions", json=payload, stream=True,
                                    timeout=self.timeout) as response:
                 if response.status_code != 200:
                     raise VLLMServerError(f"The vLLM server at {self.where} refused /v1/completions: "
                                           f"{response.status_code} {response.text[:500]}")
-                # Server-sent events, one per step and prompt. Closing the response aborts the request on the server.
+                # Server-sent events, one per step and prompt.
                 for line in response.iter_lines():
                     if stop.is_set():
-                        return completion_ids, logprobs  # abandoned: the caller discards it
+                        return completion_ids, logprobs, finish_reasons, False
                     if not line.startswith(b"data: ") or line == b"data: [DONE]":
                         continue
                     event = json.loads(line[len(b"data: "):])
@@ -363,22 +403,17 @@ class VLLMServerBackend:
                         )
                         if choice.get("finish_reason") is not None:
                             finish_reasons[row] = choice["finish_reason"]
+                    if interrupt is not None and None in finish_reasons and interrupt():
+                        interrupted = True
+                        break
         except requests.RequestException as error:
             raise self._http_error(doing, error) from error
         self._check_weights_unchanged(doing)
-        unfinished = [row for row, reason in enumerate(finish_reasons) if reason not in ("stop", "length")]
-        if unfinished:
-            row = unfinished[0]
-            raise VLLMServerError(
-                f"The vLLM server at {self.where} ended {len(unfinished)} of {len(prompt_ids)} completions without "
-                f"finishing them (prompt {row}: finish_reason {finish_reasons[row]!r} after {len(completion_ids[row])} "
-                "tokens); a truncated completion is never trained. Check the server's log."
-            )
         for row, (ids, lps) in enumerate(zip(completion_ids, logprobs)):
             if len(ids) != len(lps):
                 raise VLLMServerError(f"The vLLM server at {self.where} returned {len(ids)} token ids but {len(lps)} "
                                       f"log-probs for prompt {row}.")
-        return completion_ids, logprobs
+        return completion_ids, logprobs, finish_reasons, interrupted
 
     def close(self) -> None:
         self.transport.close()
