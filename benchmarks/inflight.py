@@ -27,14 +27,13 @@ import json
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from methods import shape_dataset, shape_tokenizer, synthetic_reward  # noqa: E402
+from methods import print_table, shape_dataset, shape_tokenizer, synthetic_reward, train_and_read_log  # noqa: E402
 
 from trl_a3po import A3POConfig, A3POTrainer  # noqa: E402
 from trl_a3po.rollout import GenerationQueue  # noqa: E402
@@ -111,14 +110,7 @@ def run(mode: str, args, tokenizer, dataset, switches: dict) -> dict:
     trainer = A3POTrainer(model=model, reward_funcs=reward, args=config, train_dataset=dataset,
                           processing_class=tokenizer)
     switches["switches"] = 0
-    start = time.perf_counter()
-    trainer.train()
-    wall = time.perf_counter() - start
-    history = trainer.state.log_history
-
-    def values(key):
-        return [h[key] for h in history if key in h]
-
+    wall, values = train_and_read_log(trainer)
     lengths.sort()
     return {
         "mode": mode,
@@ -178,14 +170,11 @@ def main():
     print(f"\nbackend={args.backend} steps={args.steps} batch={args.batch} steps_per_generation="
           f"{args.steps_per_generation} completion_tokens<={args.completion_tokens} max_staleness={args.max_staleness}"
           f" eos_bias={args.eos_bias} threads={torch.get_num_threads()}")
-    header = (f"{'mode':<10}{'wall s':>8}{'wait s/step':>13}{'gen tok/s':>11}{'gen idle':>10}{'token d':>9}"
-              f"{'mixed seq':>11}{'switches':>10}{'len p50':>9}{'len p95':>9}")
-    print(header)
-    print("-" * len(header))
-    for r in results:
-        print(f"{r['mode']:<10}{r['wall_s']:>8.1f}{r['wait_s_per_step']:>13.3f}{r['gen_tokens_per_s']:>11.1f}"
-              f"{r['gen_idle_share']:>10.2f}{r['token_staleness']:>9.3f}{r['mixed_version_frac']:>11.3f}"
-              f"{r['switches']:>10}{r['length_p50']:>9}{r['length_p95']:>9}")
+    print_table(results, [("mode", "mode", 10, ""), ("wall s", "wall_s", 8, ".1f"),
+                          ("wait s/step", "wait_s_per_step", 13, ".3f"), ("gen tok/s", "gen_tokens_per_s", 11, ".1f"),
+                          ("gen idle", "gen_idle_share", 10, ".2f"), ("token d", "token_staleness", 9, ".3f"),
+                          ("mixed seq", "mixed_version_frac", 11, ".3f"), ("switches", "switches", 10, "d"),
+                          ("len p50", "length_p50", 9, "d"), ("len p95", "length_p95", 9, "d")])
     by = {r["mode"]: r for r in results}
     if "batch" in by and "inflight" in by:
         print(f"wall batch/inflight = {by['batch']['wall_s'] / by['inflight']['wall_s']:.2f}x; "

@@ -117,14 +117,8 @@ def run(method: str, args, tokenizer, dataset) -> dict:
         reward = gsm8k_accuracy_reward
     trainer = trainer_cls(model=make_model(args.model, tokenizer), reward_funcs=reward, args=config,
                           train_dataset=dataset, processing_class=tokenizer)
-    start = time.perf_counter()
-    trainer.train()
-    wall = time.perf_counter() - start
+    wall, values = train_and_read_log(trainer)
     history = trainer.state.log_history
-
-    def values(key):
-        return [h[key] for h in history if key in h]
-
     # the first generation batch (its optimizer steps): warm-up, and nothing to overlap with yet
     skip = args.steps_per_generation // args.gradient_accumulation_steps
     step_times = values("step_time")[skip:] or values("step_time")
@@ -142,6 +136,28 @@ def run(method: str, args, tokenizer, dataset) -> dict:
     del trainer
     gc.collect()
     return result
+
+
+def train_and_read_log(trainer):
+    """Train; return the wall-clock seconds and a reader of every logged value of one key."""
+    start = time.perf_counter()
+    trainer.train()
+    wall = time.perf_counter() - start
+    history = trainer.state.log_history
+    return wall, lambda key: [h[key] for h in history if key in h]
+
+
+def print_table(rows: list[dict], columns: list[tuple[str, str, int, str]]) -> None:
+    """A plain-text table: `columns` are (title, key, width, format); the first column left-aligned."""
+    def line(cells):
+        return "".join(f"{cell:<{width}}" if i == 0 else f"{cell:>{width}}"
+                       for i, (cell, (_, _, width, _)) in enumerate(zip(cells, columns)))
+
+    header = line([title for title, _, _, _ in columns])
+    print(header)
+    print("-" * len(header))
+    for row in rows:
+        print(line([format(row[key], spec) for _, key, _, spec in columns]))
 
 
 def main():
@@ -184,13 +200,10 @@ def main():
           f"gradient_accumulation_steps={args.gradient_accumulation_steps} "
           f"steps_per_generation={args.steps_per_generation} completion_tokens={args.completion_tokens} "
           f"max_staleness={args.max_staleness or 'auto'} threads={torch.get_num_threads()}")
-    header = (f"{'method':<18}{'step s (median)':>16}{'gen tok/s':>11}{'prox s/step (median)':>22}"
-              f"{'prox s/step (mean)':>20}{'wait s/step':>13}{'wall s':>9}")
-    print(header)
-    print("-" * len(header))
-    for r in results:
-        print(f"{r['method']:<18}{r['step_s']:>16.3f}{r['tokens_per_s']:>11.1f}{r['prox_s']:>22.6f}"
-              f"{r['prox_mean_s']:>20.6f}{r['wait_s']:>13.3f}{r['wall_s']:>9.1f}")
+    print_table(results, [("method", "method", 18, ""), ("step s (median)", "step_s", 16, ".3f"),
+                          ("gen tok/s", "tokens_per_s", 11, ".1f"), ("prox s/step (median)", "prox_s", 22, ".6f"),
+                          ("prox s/step (mean)", "prox_mean_s", 20, ".6f"), ("wait s/step", "wait_s", 13, ".3f"),
+                          ("wall s", "wall_s", 9, ".1f")])
     by = {r["method"]: r for r in results}
     ratios = []
     if "sync" in by and "loglinear" in by:

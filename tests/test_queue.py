@@ -43,6 +43,18 @@ def weights(version):
     return {"version": version}
 
 
+def drive_like_the_trainer(queue, bound, num_batches, rows):
+    """Drive the queue as A3POTrainer does: at the start of training step k, publish version k, submit every batch
+    the bound allows (batch j's prompts are [j, i] for i < rows), take batch k; yields (k, batch k's result)."""
+    submitted = 0
+    for version in range(num_batches):
+        queue.publish(version, weights(version))
+        while submitted <= min(bound.last_submittable(version), num_batches - 1):
+            queue.submit(submitted, [[submitted, i] for i in range(rows)], bound.min_version(submitted))
+            submitted += 1
+        yield version, queue.get(version, timeout=10)
+
+
 def run_schedule(seed, max_delay=0.0005):
     """One random schedule, driven like A3POTrainer drives the queue: at the start of training step k, publish
     version k, submit what the bound allows, take batch k, then run the step's optimizer steps (random delays)."""
@@ -54,14 +66,9 @@ def run_schedule(seed, max_delay=0.0005):
     bound = StalenessBound(eta)
     backend = FakeBackend(random.Random(seed + 1), max_delay)
     queue = GenerationQueue(backend, sync_every=sync_every)
-    submitted, trained = 0, []
+    trained = []
     try:
-        for version in range(num_batches):
-            queue.publish(version, weights(version))
-            while submitted <= min(bound.last_submittable(version), num_batches - 1):
-                queue.submit(submitted, [[submitted, i] for i in range(3)], bound.min_version(submitted))
-                submitted += 1
-            result = queue.get(version, timeout=10)
+        for version, result in drive_like_the_trainer(queue, bound, num_batches, rows=3):
             assert result.index == version
             for ids, behaviour in zip(result.batch.completion_ids, result.batch.versions):
                 # every token's recorded version is the version the backend had loaded
@@ -263,7 +270,6 @@ class TokenByTokenBackend:
     def __init__(self, rng, length=6):
         self.rng, self.length = rng, length
         self.loaded = None
-        self.switches = 0
 
     def stage(self, named_tensors):
         return dict(named_tensors)
@@ -283,8 +289,6 @@ class TokenByTokenBackend:
                 row.append(self.loaded)
             if stop.is_set() or interrupt():
                 break
-        if len(ids[0]) < budget:
-            self.switches += 1
         return ids, [[0.0] * len(row) for row in ids], [len(row) < budget for row in ids]
 
     def close(self):
@@ -300,14 +304,9 @@ def test_inflight_updates_switch_mid_generation_within_the_bound_and_in_order():
         eta, num_batches = rng.randint(0, 3), rng.randint(2, 8)
         bound, backend = StalenessBound(eta), TokenByTokenBackend(random.Random(seed + 1))
         queue = GenerationQueue(backend, inflight_weight_updates=True)
-        submitted = 0
         try:
-            for version in range(num_batches):
-                queue.publish(version, weights(version))
-                while submitted <= min(bound.last_submittable(version), num_batches - 1):
-                    queue.submit(submitted, [[submitted, i] for i in range(2)], bound.min_version(submitted))
-                    submitted += 1
-                result = queue.get(version, timeout=10)
+            for version, result in drive_like_the_trainer(queue, bound, num_batches, rows=2):
+                assert result.prompt_ids == [[version, 0], [version, 1]]
                 for ids, behaviour in zip(result.batch.completion_ids, result.batch.versions):
                     assert len(ids) == backend.length  # whole: tokens before and after each switch, none lost
                     assert behaviour == ids  # each token's recorded version is the one that sampled it
