@@ -1,6 +1,6 @@
 """Batch-granular generation vs in-flight weight updates, on a workload with long-tailed completion lengths.
 
-    python benchmarks/inflight.py                                  # in-process, CPU, ~3 min on 2 cores
+    python benchmarks/inflight.py                                  # in-process, CPU, ~4 min on 2 cores
     python benchmarks/inflight.py --backend vllm_server --vllm-port 8000 --model-dir DIR   # a running vLLM server
     python benchmarks/inflight.py --save-model DIR                 # write the model + tokenizer a server starts from
 
@@ -9,7 +9,8 @@ The workload: a random Qwen2-shaped model (vocab 1024) whose end-of-sequence log
 geometric, p95 / median ~ 4, capped at `--completion-tokens`. The bias is part of the policy on both sides: the
 trainer's forward (a patch of the model class's forward, below) and the generator (the same patch in-process; the
 request's `logit_bias` on a vLLM server, which its processed log-probs include), so behaviour log-probs stay exact.
-The reward is synthetic. Both modes run the same seed, data, steps and staleness bound, one after the other.
+The reward is synthetic. Both modes run the same seed, data, steps and staleness bound, interleaved `--repeats` times; the medians are
+compared.
 
 Modes: `batch` (inflight_weight_updates=False: a generation runs to its end with the version it started with; the
 next version loads between batches) and `inflight` (a newer version loads between two tokens; unfinished sequences
@@ -136,6 +137,8 @@ def main():
     parser.add_argument("--max-staleness", type=int, default=2)
     parser.add_argument("--eos-bias", type=float, default=4.1, help="added to the EOS logit: hazard ~1/16 per token")
     parser.add_argument("--modes", nargs="+", default=["batch", "inflight"])
+    parser.add_argument("--repeats", type=int, default=3, help="runs per mode, interleaved (batch, inflight, batch, "
+                        "...): the first run of a process warms caches, and a shared CPU drifts")
     parser.add_argument("--backend", default="inprocess", choices=["inprocess", "vllm_server"])
     parser.add_argument("--vllm-port", type=int, default=8000)
     parser.add_argument("--model-dir", help="start from this model (the one the vLLM server serves)")
@@ -165,7 +168,7 @@ def main():
         VLLMServerBackend.from_config = classmethod(biased_backend)
     switches = count_switches()
     dataset = shape_dataset(VOCAB, args.prompt_tokens)
-    results = [run(mode, args, tokenizer, dataset, switches) for mode in args.modes]
+    results = [run(mode, args, tokenizer, dataset, switches) for _ in range(args.repeats) for mode in args.modes]
 
     print(f"\nbackend={args.backend} steps={args.steps} batch={args.batch} steps_per_generation="
           f"{args.steps_per_generation} completion_tokens<={args.completion_tokens} max_staleness={args.max_staleness}"
@@ -175,11 +178,14 @@ def main():
                           ("gen idle", "gen_idle_share", 10, ".2f"), ("token d", "token_staleness", 9, ".3f"),
                           ("mixed seq", "mixed_version_frac", 11, ".3f"), ("switches", "switches", 10, "d"),
                           ("len p50", "length_p50", 9, "d"), ("len p95", "length_p95", 9, "d")])
-    by = {r["mode"]: r for r in results}
-    if "batch" in by and "inflight" in by:
-        print(f"wall batch/inflight = {by['batch']['wall_s'] / by['inflight']['wall_s']:.2f}x; "
-              f"mean token staleness batch {by['batch']['token_staleness']:.3f} vs inflight "
-              f"{by['inflight']['token_staleness']:.3f}")
+    median = {mode: {key: statistics.median(r[key] for r in results if r["mode"] == mode)
+                     for key in ("wall_s", "wait_s_per_step", "gen_tokens_per_s", "token_staleness")}
+              for mode in args.modes}
+    for mode, m in median.items():
+        print(f"median of {args.repeats} {mode}: wall {m['wall_s']:.1f} s, wait {m['wait_s_per_step']:.3f} s/step, "
+              f"{m['gen_tokens_per_s']:.1f} gen tok/s, token staleness {m['token_staleness']:.3f}")
+    if "batch" in median and "inflight" in median:
+        print(f"median wall batch/inflight = {median['batch']['wall_s'] / median['inflight']['wall_s']:.2f}x")
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=1))
 
