@@ -297,9 +297,11 @@ def test_unreachable_vllm_server_fails_fast_naming_host_and_port(tmp_path, token
     assert time.perf_counter() - start < 30
 
 
-@pytest.mark.parametrize("resume_step", [3, 2])  # a generation batch boundary, and inside a batch
-def test_resume_continues_the_order_without_skipping_or_repeating(tmp_path, tokenizer, prompt_dataset, resume_step):
-    kwargs = dict(steps_per_generation=3, max_steps=9, save_strategy="steps", save_steps=resume_step)
+@pytest.mark.parametrize("resume_step,inflight", [(3, False), (2, False), (2, True)])  # a batch boundary, inside one
+def test_resume_continues_the_order_without_skipping_or_repeating(tmp_path, tokenizer, prompt_dataset, resume_step,
+                                                                 inflight):
+    kwargs = dict(steps_per_generation=3, max_steps=9, save_strategy="steps", save_steps=resume_step,
+                  inflight_weight_updates=inflight)
     full = make(tmp_path / "full", tokenizer, prompt_dataset, **kwargs)
     full_batches = record_microbatches(full)
     full.train()
@@ -357,9 +359,9 @@ class _FailingOptimizerStep(TrainerCallback):
         getattr(optimizer, "optimizer", optimizer).register_step_pre_hook(hook)  # inside Accelerate's wrapper
 
 
-@pytest.mark.parametrize("how", ["raise", "sigint"])
+@pytest.mark.parametrize("how,inflight", [("raise", False), ("sigint", False), ("raise", True)])
 def test_a_failure_during_training_ends_train_fast_with_no_thread_left(tmp_path, tokenizer, prompt_dataset,
-                                                                       monkeypatch, request, how):
+                                                                       monkeypatch, request, how, inflight):
     if how == "sigint":
         # A process started in the background (`nohup ... &`) inherits SIGINT ignored, and Python then installs no
         # KeyboardInterrupt handler: install the one a Ctrl-C in a terminal meets.
@@ -367,11 +369,13 @@ def test_a_failure_during_training_ends_train_fast_with_no_thread_left(tmp_path,
         request.addfinalizer(lambda: signal.signal(signal.SIGINT, previous))
     # From the second batch on, generation takes 0.5 s per token for 64 tokens (32 s): the producer is mid-generation
     # when the optimizer step fails, and only the stop signal can end it early.
+    # (With in-flight updates, the generation is the backend's `generate_until`, and may switch versions meanwhile.)
     mid_generation = threading.Event()
-    real = InProcessBackend.generate
+    method = "generate_until" if inflight else "generate"
+    real = getattr(InProcessBackend, method)
     calls = {"n": 0}
 
-    def slow(self, prompt_ids, stop):
+    def slow(self, prompt_ids, stop, *args, **kwargs):
         calls["n"] += 1
         if calls["n"] == 2:
             def crawl(module, args):
@@ -379,11 +383,11 @@ def test_a_failure_during_training_ends_train_fast_with_no_thread_left(tmp_path,
                 time.sleep(0.5)
 
             self.snapshot.register_forward_pre_hook(crawl)
-        return real(self, prompt_ids, stop)
+        return real(self, prompt_ids, stop, *args, **kwargs)
 
-    monkeypatch.setattr(InProcessBackend, "generate", slow)
+    monkeypatch.setattr(InProcessBackend, method, slow)
     trainer = make(tmp_path, tokenizer, prompt_dataset, steps_per_generation=2, max_steps=8,
-                   max_completion_length=64)
+                   max_completion_length=64, inflight_weight_updates=inflight)
     trainer.add_callback(_FailingOptimizerStep(how))
     start = time.perf_counter()
     expected = RuntimeError if how == "raise" else KeyboardInterrupt
