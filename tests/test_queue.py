@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from trl_a3po.rollout import GenerationQueue, ProducerError, StalenessBound
+from trl_a3po.rollout import ContinuousGenerationQueue, GenerationQueue, ProducerError, StalenessBound
 
 
 class FakeBackend:
@@ -34,6 +34,10 @@ class FakeBackend:
         while self.block and not stop.is_set():
             time.sleep(0.001)
         return [list(p) + [self.loaded] for p in prompt_ids], [[0.0] * (len(p) + 1) for p in prompt_ids]
+
+    def generate_until(self, prompt_ids, stop, interrupt, generated):  # what ContinuousGenerationQueue calls
+        ids, logprobs = self.generate(prompt_ids, stop)
+        return ids, logprobs, [False] * len(ids)
 
     def close(self):
         self.closed = True
@@ -136,7 +140,8 @@ def test_submitting_before_the_version_exists_is_refused():
         queue.close()
 
 
-def test_producer_exception_surfaces_with_the_original_error():
+@pytest.mark.parametrize("queue_class", [GenerationQueue, ContinuousGenerationQueue])
+def test_producer_exception_surfaces_with_the_original_error(queue_class):
     class Boom(Exception):
         pass
 
@@ -144,7 +149,7 @@ def test_producer_exception_surfaces_with_the_original_error():
         def generate(self, prompt_ids, stop):
             raise Boom("generation exploded")
 
-    queue = GenerationQueue(FailingBackend())
+    queue = queue_class(FailingBackend())
     queue.publish(0, weights(0))
     queue.submit(0, [[1]], 0)
     with pytest.raises(ProducerError, match="generation exploded") as info:
@@ -158,10 +163,11 @@ def test_producer_exception_surfaces_with_the_original_error():
     assert not queue._thread.is_alive()
 
 
+@pytest.mark.parametrize("queue_class", [GenerationQueue, ContinuousGenerationQueue])
 @pytest.mark.parametrize("state", ["idle", "mid-generation"])
-def test_close_stops_the_producer_promptly(state):
+def test_close_stops_the_producer_promptly(state, queue_class):
     backend = FakeBackend()
-    queue = GenerationQueue(backend)
+    queue = queue_class(backend)
     if state == "mid-generation":
         backend.block = True  # a generation that only the stop event ends
         queue.publish(0, weights(0))
@@ -171,6 +177,7 @@ def test_close_stops_the_producer_promptly(state):
     queue.close(timeout=5)
     assert time.perf_counter() - start < 1.0
     assert not queue._thread.is_alive()
+    assert not [t for t in threading.enumerate() if t.name.startswith("a3po-stream")]
     assert backend.closed
 
 
@@ -270,40 +277,54 @@ class TokenByTokenBackend:
     def __init__(self, rng, length=6):
         self.rng, self.length = rng, length
         self.loaded = None
+        self._lock = threading.Lock()  # several streams at once under ContinuousGenerationQueue
+        self.streaming = self.most_streaming = 0
 
     def stage(self, named_tensors):
         return dict(named_tensors)
 
     def load(self, staged):
+        assert self.streaming == 0, "a version was loaded while a generation was running"
         self.loaded = staged["version"]
         return 0.0
 
     def generate_until(self, prompt_ids, stop, interrupt, generated):
         assert all(len(p) == len(prompt_ids[0]) for p in prompt_ids)  # prompts of equal length + equal prefixes
         assert len(set(generated)) == 1
+        with self._lock:
+            self.streaming += 1
+            self.most_streaming = max(self.most_streaming, self.streaming)
         budget = self.length - generated[0]
         ids = [[] for _ in prompt_ids]
-        for _ in range(budget):
-            time.sleep(self.rng.random() * 0.0005)
-            for row in ids:
-                row.append(self.loaded)
-            if stop.is_set() or interrupt():
-                break
+        try:
+            for _ in range(budget):
+                time.sleep(self.rng.random() * 0.0005)
+                for row in ids:
+                    row.append(self.loaded)
+                if stop.is_set() or interrupt():
+                    break
+        finally:
+            with self._lock:
+                self.streaming -= 1
         return ids, [[0.0] * len(row) for row in ids], [len(row) < budget for row in ids]
 
     def close(self):
         pass
 
 
-def test_inflight_updates_switch_mid_generation_within_the_bound_and_in_order():
-    # Random schedules as in run_schedule, with in-flight updates: a sequence may mix versions, every token carries
-    # the version that sampled it, none is older than the bound allows, and batches come back whole and in order.
-    mixed = 0
+@pytest.mark.parametrize("queue_class,inflight", [(GenerationQueue, True), (ContinuousGenerationQueue, False),
+                                                  (ContinuousGenerationQueue, True)])
+def test_inflight_and_continuous_schedules_keep_every_token_on_its_version_within_the_bound_and_in_order(
+        queue_class, inflight):
+    # Random schedules as in run_schedule. In-flight updates: a sequence may mix versions. Continuous generation:
+    # several batches stream at once. Either way every token carries the version that sampled it, none is older than
+    # the bound allows, no version loads while a generation runs, and batches come back whole and in order.
+    mixed = concurrent = 0
     for seed in range(200):
         rng = random.Random(seed)
         eta, num_batches = rng.randint(0, 3), rng.randint(2, 8)
         bound, backend = StalenessBound(eta), TokenByTokenBackend(random.Random(seed + 1))
-        queue = GenerationQueue(backend, inflight_weight_updates=True)
+        queue = queue_class(backend, inflight_weight_updates=inflight)
         try:
             for version, result in drive_like_the_trainer(queue, bound, num_batches, rows=2):
                 assert result.prompt_ids == [[version, 0], [version, 1]]
@@ -317,4 +338,7 @@ def test_inflight_updates_switch_mid_generation_within_the_bound_and_in_order():
         finally:
             queue.close(timeout=10)
         assert not queue._thread.is_alive()
-    assert mixed > 0  # the schedules did switch mid-sequence
+        assert not [t for t in threading.enumerate() if t.name.startswith("a3po-stream")]  # every stream joined
+        concurrent += backend.most_streaming > 1
+    assert (mixed > 0) == inflight  # the schedules did switch mid-sequence (and only in flight)
+    assert (concurrent > 0) == (queue_class is ContinuousGenerationQueue)  # several batches streamed at once

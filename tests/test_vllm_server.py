@@ -120,14 +120,29 @@ def test_disk_sync_makes_the_server_match_the_trainers_weights(tmp_path, vllm_se
     backend.close()
 
 
-@pytest.mark.parametrize("inflight", [False, True])
+@pytest.mark.parametrize("inflight,continuous", [(False, False), (True, False), (False, True), (True, True)])
 def test_async_training_on_the_vllm_server_respects_the_bound(tmp_path, vllm_server, prompt_dataset, inflight,
-                                                              monkeypatch):
+                                                              continuous, monkeypatch):
     if inflight:  # requests aborted mid-sequence, the version pushed, the rest resubmitted
         slow_generation(monkeypatch)
+    streams = {"now": 0, "most": 0}
+    if continuous:  # count the requests streaming at once
+        lock, generate_until = threading.Lock(), VLLMServerBackend.generate_until
+
+        def counted(backend, *args):
+            with lock:
+                streams["now"] += 1
+                streams["most"] = max(streams["most"], streams["now"])
+            try:
+                return generate_until(backend, *args)
+            finally:
+                with lock:
+                    streams["now"] -= 1
+
+        monkeypatch.setattr(VLLMServerBackend, "generate_until", counted)
     trainer = make_trainer(tmp_path, vllm_server, prompt_dataset, steps_per_generation=2, max_steps=8,
                            weight_sync_transport="disk", max_staleness=2, learning_rate=1e-2,
-                           inflight_weight_updates=inflight)
+                           inflight_weight_updates=inflight, continuous_generation=continuous)
     versions = VersionRecorder(trainer)
     trainer.add_callback(versions)
     samples = record_trained_samples(trainer)
@@ -143,6 +158,8 @@ def test_async_training_on_the_vllm_server_respects_the_bound(tmp_path, vllm_ser
     assert weight_pushes_logged(vllm_server) - before == len(behaviour_versions) >= 2
     if inflight:
         assert max(logged(trainer, "a3po/gen/mixed_version_frac")) > 0
+    if continuous:  # several generation batches streamed at once
+        assert streams["most"] >= 2
     # at staleness <= 1 the proximal policy is the behaviour policy: weight exactly 1
     for d, w_min, w_max in zip(staleness, logged(trainer, "a3po/behav_imp_weight/min"),
                                logged(trainer, "a3po/behav_imp_weight/max")):
@@ -180,7 +197,7 @@ def weight_pushes_logged(server):
 
 # (LoRA with merged weights across two processes: the adapter test below covers two processes with LoRA, and the
 # merged export is tested in one process, tests/test_async.py, to keep CI within its time.)
-@pytest.mark.parametrize("mode", ["vllm", "vllm-zero3", "vllm-inflight"])
+@pytest.mark.parametrize("mode", ["vllm", "vllm-zero3", "vllm-inflight", "vllm-continuous-inflight"])
 def test_two_processes_share_one_server_with_one_push_per_version(tmp_path, vllm_server, synchronous_shards, mode):
     # The production shape: several training processes, one vLLM server. The main process owns the server's weights
     # and generates every rank's share; each rank trains exactly its synchronous share. With LoRA, the server gets
@@ -200,7 +217,7 @@ def test_two_processes_share_one_server_with_one_push_per_version(tmp_path, vllm
     assert pushes == len(versions)  # one push per version the generator used, not one per rank
     if mode == "vllm-zero3":
         assert ranks[0]["partitioned_fraction"] == ranks[1]["partitioned_fraction"] == 0.5
-    if mode == "vllm-inflight":  # requests aborted mid-sequence, weights pushed, the rest resubmitted
+    if mode.endswith("-inflight"):  # requests aborted mid-sequence, weights pushed, the rest resubmitted
         assert ranks[0]["mixed"] + ranks[1]["mixed"] > 0
 
 

@@ -65,6 +65,9 @@ class A3POConfig(GRPOConfig):
             Folder the server reads (disk transport, adapters); `None` = `<output_dir>/weight_sync`.
         weight_sync_steps (`int`, *optional*, defaults to `1`):
             Load a newer version into the generator only when the one it holds is this many versions old.
+        continuous_generation (`bool`, *optional*, defaults to `False`):
+            On a vLLM server, stream every batch the staleness bound lets in at once, so the next batches run while
+            the current one's tail finishes.
         inflight_weight_updates (`bool`, *optional*, defaults to `False`):
             Load a newer version in the middle of a generation, between two tokens, continuing each unfinished
             sequence under the new weights (per-token versions); on a vLLM server: abort, push, resubmit.
@@ -214,6 +217,16 @@ class A3POConfig(GRPOConfig):
         },
     )
 
+    continuous_generation: bool = field(
+        default=False,
+        metadata={
+            "help": "With rollout_backend='vllm_server': every generation batch the staleness bound has let in "
+            "streams at once (a request each, in threads), so the server batches the next batches together with the "
+            "current one's tail instead of draining at each batch's end; results still reach the trainer in order. "
+            "A version is pushed only while nothing streams (with inflight_weight_updates the streams are stopped "
+            "between two tokens for it; without, new batches start with the held version when the bound allows)."
+        },
+    )
     inflight_weight_updates: bool = field(
         default=False,
         metadata={
@@ -349,6 +362,13 @@ class A3POConfig(GRPOConfig):
                 "lora_weight_sync='adapter' sends LoRA adapters to a vLLM server; with rollout_backend="
                 f"{self.rollout_backend!r} the generator always runs the merged weights: set lora_weight_sync='auto' "
                 "(or 'merged'), or rollout_backend='vllm_server'."
+            )
+        if self.continuous_generation and not (self.async_generation and self.rollout_backend == "vllm_server"):
+            raise ValueError(
+                "continuous_generation=True streams several batches at once to a vLLM server; it needs "
+                "async_generation=True and rollout_backend='vllm_server' (in-process generation runs one batch at a "
+                f"time; got async_generation={self.async_generation}, rollout_backend={self.rollout_backend!r}). Set "
+                "continuous_generation=False."
             )
         if self.inflight_weight_updates and not self.async_generation:
             raise ValueError(

@@ -46,6 +46,7 @@ from trl.trainer.utils import get_config_model_id, nanmax, nanmin, split_tensor_
 from .config import A3POConfig
 from .proximal import PROX_APPROXIMATIONS, aggregate_loss, approximate_prox_logp, decoupled_ppo_loss, staleness_alpha
 from .rollout import (
+    ContinuousGenerationQueue,
     GenerationQueue,
     InProcessBackend,
     ProducerError,
@@ -402,8 +403,9 @@ class A3POTrainer(GRPOTrainer):
                                                     peft_configs=model.peft_config if is_peft_model(model) else None)
             self._sends_adapter = backend.sync_mode == "adapter"
             served = list(range(self.accelerator.num_processes))
-        self._queue = GenerationQueue(backend, sync_every=self.args.weight_sync_steps,
-                                      inflight_weight_updates=self.args.inflight_weight_updates)
+        queue_class = ContinuousGenerationQueue if self.args.continuous_generation else GenerationQueue
+        self._queue = queue_class(backend, sync_every=self.args.weight_sync_steps,
+                                  inflight_weight_updates=self.args.inflight_weight_updates)
         self._prompt_plans = [self._generation_batches(start, p) for p in served]
 
     @contextlib.contextmanager

@@ -8,7 +8,8 @@ its samples' behaviour versions, and how many samples it checked against the wei
     two_process_run.py OUT_DIR standin|standin-stagefail PORT   a stand-in server set up to fail (the run fails)
 
 `async-inflight` and `vllm-inflight` turn on in-flight weight updates, with generation slowed (20 ms each time the
-producer asks whether a newer version is due, i.e. per token) so that versions are published mid-sequence.
+producer asks whether a newer version is due, i.e. per token) so that versions are published mid-sequence;
+`vllm-continuous-inflight` also streams every admitted batch at once (continuous_generation).
 
 `vllm-nccl-standin` replaces TRL's VLLMClient (the NCCL weight transfer, which needs GPUs) with a recorder, to count
 who initialises a communicator and how many pushes reach it; generation still runs on the real server.
@@ -112,7 +113,7 @@ args = A3POConfig(
     output_dir=str(out_dir / mode), per_device_train_batch_size=2, num_generations=4, max_completion_length=6,
     steps_per_generation=2, max_steps=8, logging_steps=1, report_to="none", use_cpu=not zero3, save_strategy="no",
     seed=0, bf16=False, learning_rate=1e-2, async_generation=(mode != "sync"), max_staleness=2, **server,
-    inflight_weight_updates=inflight,
+    inflight_weight_updates=inflight, continuous_generation="continuous" in mode,
     # DeepSpeed on CPU: `use_cpu` would bypass it; gloo instead of NCCL; fp32
     **({"ddp_backend": "gloo"} if zero3 else {}),
 )

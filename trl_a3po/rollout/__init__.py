@@ -1,5 +1,6 @@
 """The generation side: knows token ids, log-probs and policy versions, nothing of losses."""
 
+from .continuous import ContinuousGenerationQueue
 from .inprocess import InProcessBackend, build_whole_snapshot, generate_with_behavior_logprobs
 from .queue import (
     GeneratedBatch,
@@ -11,6 +12,7 @@ from .queue import (
 )
 
 __all__ = [
+    "ContinuousGenerationQueue",
     "GeneratedBatch",
     "GenerationQueue",
     "GenerationResult",
