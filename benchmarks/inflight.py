@@ -1,7 +1,8 @@
-"""Batch-granular generation vs in-flight weight updates, on a workload with long-tailed completion lengths.
+"""Batch-granular generation vs in-flight weight updates vs continuous generation, long-tailed completion lengths.
 
     python benchmarks/inflight.py                                  # in-process, CPU, ~4 min on 2 cores
-    python benchmarks/inflight.py --backend vllm_server --vllm-port 8000 --model-dir DIR   # a running vLLM server
+    python benchmarks/inflight.py --backend vllm_server --vllm-port 8000 --model-dir DIR \
+        --modes batch inflight continuous continuous-inflight     # a running vLLM server
     python benchmarks/inflight.py --save-model DIR                 # write the model + tokenizer a server starts from
 
 The workload: a random Qwen2-shaped model (vocab 1024) whose end-of-sequence logit is raised by a constant
@@ -12,12 +13,13 @@ request's `logit_bias` on a vLLM server, which its processed log-probs include),
 The reward is synthetic. Both modes run the same seed, data, steps and staleness bound, interleaved `--repeats` times; the medians are
 compared.
 
-Modes: `batch` (inflight_weight_updates=False: a generation runs to its end with the version it started with; the
-next version loads between batches) and `inflight` (a newer version loads between two tokens; unfinished sequences
-continue under it). Reported per mode: wall time, trainer wait per training step, generator tokens/s, generator idle
-share (producer time waiting for a request / wall), mean token staleness, the share of sequences that mix versions,
-switches (loads inside a generation) and the completion-length median / p95. Generation across batch boundaries
-(continuous generation) is not built, so it has no row here.
+Modes: `batch` (a generation batch runs to its end with the version it started with; the next version loads between
+batches), `inflight` (inflight_weight_updates: a newer version loads between two tokens; unfinished sequences continue
+under it), `continuous` (continuous_generation, vLLM server only: every batch the bound lets in streams at once) and
+`continuous-inflight` (both). Reported per mode: wall time, trainer wait per training step, generator tokens/s (per
+batch: its tokens over its time in the generator), generator idle share (producer time waiting for a request / wall),
+mean token staleness, the share of sequences that mix versions, versions loaded (pushed) per run and the
+completion-length median / p95.
 """
 
 from __future__ import annotations
@@ -63,31 +65,22 @@ def raise_eos_logit(bias: float) -> None:
     Qwen2ForCausalLM.forward = biased
 
 
-def count_switches() -> dict:
-    """Count the versions the producer loads in the middle of a generation (in-flight switches)."""
-    counts = {"switches": 0}
-    generate_across = GenerationQueue._generate_across_versions
+def count_loads() -> dict:
+    """Count the versions the producer loads (pushes, on a server) in a run."""
+    counts = {"loads": 0}
     load = GenerationQueue._load_weights_for
 
-    def across(queue, request):
-        queue._inside_generation = True
-        try:
-            return generate_across(queue, request)
-        finally:
-            queue._inside_generation = False
-
     def counted_load(queue, min_version):
+        held = queue._held_version
         seconds = load(queue, min_version)
-        if getattr(queue, "_inside_generation", False) and seconds > 0:
-            counts["switches"] += 1
+        counts["loads"] += queue._held_version != held
         return seconds
 
-    GenerationQueue._generate_across_versions = across
     GenerationQueue._load_weights_for = counted_load
     return counts
 
 
-def run(mode: str, args, tokenizer, dataset, switches: dict) -> dict:
+def run(mode: str, args, tokenizer, dataset, loads: dict) -> dict:
     lengths = []
 
     def reward(completions, completion_ids, **kwargs):
@@ -102,7 +95,8 @@ def run(mode: str, args, tokenizer, dataset, switches: dict) -> dict:
         per_device_train_batch_size=args.batch, num_generations=4, steps_per_generation=args.steps_per_generation,
         max_completion_length=args.completion_tokens, learning_rate=1e-4, logging_steps=1, report_to="none",
         save_strategy="no", seed=0, use_cpu=True, bf16=False, temperature=1.0, disable_tqdm=True,
-        max_staleness=args.max_staleness, inflight_weight_updates=mode == "inflight", **server,
+        max_staleness=args.max_staleness, inflight_weight_updates=mode.endswith("inflight"),
+        continuous_generation=mode.startswith("continuous"), **server,
     )
     torch.manual_seed(0)
     model = (AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=torch.float32) if args.model_dir
@@ -110,7 +104,7 @@ def run(mode: str, args, tokenizer, dataset, switches: dict) -> dict:
     reward.__name__ = "synthetic_reward"
     trainer = A3POTrainer(model=model, reward_funcs=reward, args=config, train_dataset=dataset,
                           processing_class=tokenizer)
-    switches["switches"] = 0
+    loads["loads"] = 0
     wall, values = train_and_read_log(trainer)
     lengths.sort()
     return {
@@ -121,7 +115,7 @@ def run(mode: str, args, tokenizer, dataset, switches: dict) -> dict:
         "gen_idle_share": sum(values("a3po/queue/producer_idle_s")) / wall,
         "token_staleness": statistics.mean(values("a3po/staleness/mean")),
         "mixed_version_frac": statistics.mean(values("a3po/gen/mixed_version_frac")),
-        "switches": switches["switches"],
+        "loads": loads["loads"],
         "length_p50": lengths[len(lengths) // 2],
         "length_p95": lengths[int(len(lengths) * 0.95)],
     }
@@ -136,7 +130,8 @@ def main():
     parser.add_argument("--prompt-tokens", type=int, default=32)
     parser.add_argument("--max-staleness", type=int, default=2)
     parser.add_argument("--eos-bias", type=float, default=4.1, help="added to the EOS logit: hazard ~1/16 per token")
-    parser.add_argument("--modes", nargs="+", default=["batch", "inflight"])
+    parser.add_argument("--modes", nargs="+", default=["batch", "inflight"],
+                        choices=["batch", "inflight", "continuous", "continuous-inflight"])
     parser.add_argument("--repeats", type=int, default=3, help="runs per mode, interleaved (batch, inflight, batch, "
                         "...): the first run of a process warms caches, and a shared CPU drifts")
     parser.add_argument("--backend", default="inprocess", choices=["inprocess", "vllm_server"])
@@ -166,17 +161,17 @@ def main():
             return backend
 
         VLLMServerBackend.from_config = classmethod(biased_backend)
-    switches = count_switches()
+    loads = count_loads()
     dataset = shape_dataset(VOCAB, args.prompt_tokens)
-    results = [run(mode, args, tokenizer, dataset, switches) for _ in range(args.repeats) for mode in args.modes]
+    results = [run(mode, args, tokenizer, dataset, loads) for _ in range(args.repeats) for mode in args.modes]
 
     print(f"\nbackend={args.backend} steps={args.steps} batch={args.batch} steps_per_generation="
           f"{args.steps_per_generation} completion_tokens<={args.completion_tokens} max_staleness={args.max_staleness}"
           f" eos_bias={args.eos_bias} threads={torch.get_num_threads()}")
-    print_table(results, [("mode", "mode", 10, ""), ("wall s", "wall_s", 8, ".1f"),
+    print_table(results, [("mode", "mode", 20, ""), ("wall s", "wall_s", 8, ".1f"),
                           ("wait s/step", "wait_s_per_step", 13, ".3f"), ("gen tok/s", "gen_tokens_per_s", 11, ".1f"),
                           ("gen idle", "gen_idle_share", 10, ".2f"), ("token d", "token_staleness", 9, ".3f"),
-                          ("mixed seq", "mixed_version_frac", 11, ".3f"), ("switches", "switches", 10, "d"),
+                          ("mixed seq", "mixed_version_frac", 11, ".3f"), ("loads", "loads", 7, "d"),
                           ("len p50", "length_p50", 9, "d"), ("len p95", "length_p95", 9, "d")])
     median = {mode: {key: statistics.median(r[key] for r in results if r["mode"] == mode)
                      for key in ("wall_s", "wait_s_per_step", "gen_tokens_per_s", "token_staleness")}
@@ -184,8 +179,8 @@ def main():
     for mode, m in median.items():
         print(f"median of {args.repeats} {mode}: wall {m['wall_s']:.1f} s, wait {m['wait_s_per_step']:.3f} s/step, "
               f"{m['gen_tokens_per_s']:.1f} gen tok/s, token staleness {m['token_staleness']:.3f}")
-    if "batch" in median and "inflight" in median:
-        print(f"median wall batch/inflight = {median['batch']['wall_s'] / median['inflight']['wall_s']:.2f}x")
+    for mode in args.modes[1:]:
+        print(f"median wall {args.modes[0]}/{mode} = {median[args.modes[0]]['wall_s'] / median[mode]['wall_s']:.2f}x")
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=1))
 

@@ -224,7 +224,9 @@ class A3POConfig(GRPOConfig):
             "streams at once (a request each, in threads), so the server batches the next batches together with the "
             "current one's tail instead of draining at each batch's end; results still reach the trainer in order. "
             "A version is pushed only while nothing streams (with inflight_weight_updates the streams are stopped "
-            "between two tokens for it; without, new batches start with the held version when the bound allows)."
+            "between two tokens for it; without, new batches start with the held version when the bound allows). Off by "
+            "default: 1.34x faster wall on a long-tailed CPU-server benchmark (benchmarks/inflight.py) but at a higher "
+            "token staleness, whose effect on learning is not measured yet."
         },
     )
     inflight_weight_updates: bool = field(
@@ -234,9 +236,9 @@ class A3POConfig(GRPOConfig):
             "tokens: every unfinished sequence continues from its prompt and the tokens so far, their keys and values "
             "recomputed by the new weights, and each token records the version that sampled it (its own staleness and "
             "alpha in the loss). Fewer stale tokens in long generations, at the cost of one prefill per switch. Off by "
-            "default: on a long-tailed CPU workload (benchmarks/inflight.py) it lowered the mean token staleness by "
-            "4-12% but left the wall time unchanged (1.01x in-process, 1.07x on a vLLM server); off keeps one version "
-            "per sequence. On a vLLM server the request is aborted, the version pushed, and the unfinished sequences "
+            "default: on a long-tailed CPU workload (benchmarks/inflight.py) it lowered the mean token staleness (by "
+            "17% on a vLLM server) but not the wall time beyond noise (1.01x on the server, 1.01-1.15x in-process); "
+            "off keeps one version per sequence. On a vLLM server the request is aborted, the version pushed, and the unfinished sequences "
             "resubmitted with the tokens received so far."
         },
     )

@@ -616,7 +616,8 @@ class A3POTrainer(GRPOTrainer):
             # Padding positions take their row's last version: masked everywhere, and never a negative staleness.
             rows = [torch.tensor(versions, dtype=torch.long) for versions in scoring.behavior_versions]
             behavior_version = torch.stack([
-                torch.nn.functional.pad(row, (0, behav.size(1) - row.numel()), value=int(row[-1])) for row in rows
+                torch.nn.functional.pad(row, (0, behav.size(1) - row.numel()),
+                                        value=int(row[-1]) if row.numel() else self.policy_version) for row in rows
             ]).to(behav.device)
         else:  # generated just now, by the current weights
             behavior_version = torch.full(behav.shape, self.policy_version, dtype=torch.long, device=behav.device)
