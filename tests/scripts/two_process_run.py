@@ -7,7 +7,7 @@ its samples' behaviour versions, and how many samples it checked against the wei
                                                                  one vLLM server for both ranks
     two_process_run.py OUT_DIR standin|standin-stagefail PORT   a stand-in server set up to fail (the run fails)
 
-`async-inflight` and `vllm-inflight` turn on in-flight weight updates, with generation slowed (20 ms each time the
+`async-inflight` and `vllm-*-inflight` turn on in-flight weight updates, with generation slowed (20 ms each time the
 producer asks whether a newer version is due, i.e. per token) so that versions are published mid-sequence;
 `vllm-continuous-inflight` also streams every admitted batch at once (continuous_generation).
 
