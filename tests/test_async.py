@@ -359,7 +359,7 @@ class _FailingOptimizerStep(TrainerCallback):
         getattr(optimizer, "optimizer", optimizer).register_step_pre_hook(hook)  # inside Accelerate's wrapper
 
 
-@pytest.mark.parametrize("how,inflight", [("raise", False), ("sigint", False), ("raise", True)])
+@pytest.mark.parametrize("how,inflight", [("raise", False), ("sigint", False), ("raise", True), ("sigint", True)])
 def test_a_failure_during_training_ends_train_fast_with_no_thread_left(tmp_path, tokenizer, prompt_dataset,
                                                                        monkeypatch, request, how, inflight):
     if how == "sigint":

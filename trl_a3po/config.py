@@ -238,8 +238,8 @@ class A3POConfig(GRPOConfig):
             "alpha in the loss). Fewer stale tokens in long generations, at the cost of one prefill per switch. Off by "
             "default: on a long-tailed CPU workload (benchmarks/inflight.py) it lowered the mean token staleness (by "
             "17% on a vLLM server) but not the wall time beyond noise (1.01x on the server, 1.01-1.15x in-process); "
-            "off keeps one version per sequence. On a vLLM server the request is aborted, the version pushed, and the unfinished sequences "
-            "resubmitted with the tokens received so far."
+            "off keeps one version per sequence. On a vLLM server the request is aborted, the version pushed, and "
+            "the unfinished sequences resubmitted with the tokens received so far."
         },
     )
 

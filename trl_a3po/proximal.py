@@ -46,7 +46,8 @@ def approximate_prox_logp(
     - ``loglinear`` (A-3PO): alpha * behav + (1 - alpha) * logp, a geometric mixture of the two policies;
     - ``linear``: log(alpha * p_behav + (1 - alpha) * p_theta), the arithmetic (probability-space) mixture;
     - ``rollout``: prox = behav (no trust region around anything but the behaviour policy).
-    ``staleness`` is (B, T), each token's alpha from its own staleness, or (B,), one staleness for all of a row's tokens.
+    ``staleness`` is (B, T), each token's alpha from its own staleness, or (B,), one staleness for all of a row's
+    tokens.
     """
     logp = logp.detach()
     alpha = staleness_alpha(staleness, logp.dtype).to(logp.device)

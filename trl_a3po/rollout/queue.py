@@ -129,8 +129,8 @@ class GenerationQueue:
 
     def publish(self, version: int, named_tensors: Mapping[str, object] | Iterable[tuple[str, object]]) -> None:
         """Hand the generator version `version`: `named_tensors` (the live weights under HF names: a mapping, or
-        (name, tensor) pairs) are staged into a private copy here, on the calling thread, so the producer never touches the trainer's
-        parameters."""
+        (name, tensor) pairs) are staged into a private copy here, on the calling thread, so the producer never
+        touches the trainer's parameters."""
         staged = self._backend.stage(named_tensors)
         with self._weights_lock:
             if self._published is not None and version <= self._published[0]:
