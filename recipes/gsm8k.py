@@ -22,6 +22,7 @@ from trl_a3po import (
     A3POTrainer,
     GreedyEvalCallback,
     gsm8k_accuracy_reward,
+    gsm8k_correct_format_reward,
     gsm8k_format_reward,
     load_gsm8k,
     resolve_model,
@@ -55,6 +56,25 @@ class ScriptArguments:
     format_reward_weight: float = field(
         default=0.0, metadata={"help": "Weight of the \\boxed{} format reward next to accuracy (0 = accuracy only)."}
     )
+    format_reward_only_when_correct: bool = field(
+        default=False,
+        metadata={"help": "Pay the format reward only to a correct answer in \\boxed{} (then it cannot be collected "
+                          "without solving the problem; the unconditional bonus taught SmolLM2 to box wrong answers)."},
+    )
+
+    def __post_init__(self):
+        if self.format_reward_only_when_correct and not self.format_reward_weight:
+            raise ValueError("format_reward_only_when_correct=True needs format_reward_weight > 0 (it changes "
+                             "which answers the format reward pays; with weight 0 there is none)")
+
+
+def rewards(script_args: ScriptArguments) -> tuple[list, list[float]]:
+    """Accuracy, plus the \\boxed{} format reward (paid to every boxed answer or only to correct ones) if weighted."""
+    if not script_args.format_reward_weight:
+        return [gsm8k_accuracy_reward], [1.0]
+    only_correct = script_args.format_reward_only_when_correct
+    return ([gsm8k_accuracy_reward, gsm8k_correct_format_reward if only_correct else gsm8k_format_reward],
+            [1.0, script_args.format_reward_weight])
 
 
 def main(script_args: ScriptArguments, training_args: A3POConfig, model_args: ModelConfig):
@@ -72,11 +92,7 @@ def main(script_args: ScriptArguments, training_args: A3POConfig, model_args: Mo
     train_dataset = load_gsm8k(script_args.dataset_name, script_args.dataset_train_split, script_args.train_limit,
                                script_args.max_solution_steps, script_args.one_shot_prompt)
 
-    reward_funcs, reward_weights = [gsm8k_accuracy_reward], [1.0]
-    if script_args.format_reward_weight:
-        reward_funcs.append(gsm8k_format_reward)
-        reward_weights.append(script_args.format_reward_weight)
-    training_args.reward_weights = reward_weights
+    reward_funcs, training_args.reward_weights = rewards(script_args)
 
     trainer = A3POTrainer(
         model=model,

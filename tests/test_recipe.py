@@ -102,6 +102,22 @@ def test_recipe_two_processes(tiny_model_dir, tmp_path):
     assert [h["a3po/staleness/max"] for h in steps][:2] == [0, 0] and max(h["a3po/staleness/max"] for h in steps) <= 2
 
 
+def test_format_reward_only_when_correct_pays_boxed_correct_answers_only():
+    import runpy
+
+    from trl_a3po import gsm8k_accuracy_reward, gsm8k_correct_format_reward, gsm8k_format_reward
+
+    recipe = runpy.run_path(str(REPO / "recipes" / "gsm8k.py"))
+    script = recipe["ScriptArguments"]
+    assert recipe["rewards"](script()) == ([gsm8k_accuracy_reward], [1.0])
+    assert recipe["rewards"](script(format_reward_weight=0.5)) == ([gsm8k_accuracy_reward, gsm8k_format_reward],
+                                                                   [1.0, 0.5])
+    assert recipe["rewards"](script(format_reward_weight=0.5, format_reward_only_when_correct=True)) == (
+        [gsm8k_accuracy_reward, gsm8k_correct_format_reward], [1.0, 0.5])
+    with pytest.raises(ValueError, match="format_reward_only_when_correct=True needs format_reward_weight > 0"):
+        script(format_reward_only_when_correct=True)
+
+
 @pytest.mark.parametrize("gpu", [False, True])
 def test_without_config_the_recipe_takes_the_yaml_for_the_hardware(monkeypatch, gpu):
     """`accelerate launch recipes/gsm8k.py` with no --config: gsm8k_cpu.yaml (the README's main command: SmolLM2, the

@@ -9,6 +9,7 @@ import pytest
 from trl_a3po.rewards import (
     extract_final_answer,
     gsm8k_accuracy_reward,
+    gsm8k_correct_format_reward,
     gsm8k_format_reward,
     reference_answer,
 )
@@ -62,6 +63,14 @@ def test_conversational_completions_and_format_reward():
     conversational = [[{"role": "assistant", "content": "\\boxed{72}"}], [{"role": "assistant", "content": "72"}]]
     assert gsm8k_accuracy_reward(conversational, [GOLD, GOLD]) == [1.0, 1.0]
     assert gsm8k_format_reward(conversational) == [1.0, 0.0]
+
+
+def test_correct_format_reward_pays_only_a_boxed_correct_answer():
+    # boxed+right, boxed+wrong (the answer a format-only bonus pays for), unboxed+right, unboxed+wrong, boxed garbage
+    completions = ["so \\boxed{72}", "\\boxed{71}", "The answer is 72", "71", "\\boxed{}"]
+    assert gsm8k_correct_format_reward(completions, [GOLD] * 5) == [1.0, 0.0, 0.0, 0.0, 0.0]
+    assert gsm8k_format_reward(completions) == [1.0, 1.0, 0.0, 0.0, 1.0]
+    assert gsm8k_accuracy_reward(completions, [GOLD] * 5) == [1.0, 0.0, 1.0, 0.0, 0.0]
 
 
 def test_reward_signature_plugs_into_trl():

@@ -12,6 +12,7 @@ _EXPORTS = {
     "GreedyEvalCallback": ".evaluation",
     "extract_final_answer": ".rewards",
     "gsm8k_accuracy_reward": ".rewards",
+    "gsm8k_correct_format_reward": ".rewards",
     "gsm8k_format_reward": ".rewards",
     "gsm8k_greedy_accuracy": ".evaluation",
     "gsm8k_prompt": ".data",

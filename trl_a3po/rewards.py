@@ -91,19 +91,26 @@ def _verify(reference: str, prediction: str) -> bool:
     return bool(gold) and bool(pred) and verify(gold, pred, timeout_seconds=timeout)
 
 
+def _is_correct(completion, reference) -> bool:
+    try:
+        prediction = extract_final_answer(completion)
+        return prediction is not None and _verify(reference_answer(str(reference)), prediction)
+    except Exception:  # malformed text must cost the sample its reward, never the training run
+        return False
+
+
 def gsm8k_accuracy_reward(completions, answer, **kwargs) -> list[float]:
     """1.0 when the completion's final answer equals the GSM8K reference (math-verify), else 0.0."""
-    rewards = []
-    for completion, reference in zip(completions, answer, strict=True):
-        try:
-            prediction = extract_final_answer(completion)
-            ok = prediction is not None and _verify(reference_answer(str(reference)), prediction)
-        except Exception:  # malformed text must cost the sample its reward, never the training run
-            ok = False
-        rewards.append(1.0 if ok else 0.0)
-    return rewards
+    return [1.0 if _is_correct(c, reference) else 0.0 for c, reference in zip(completions, answer, strict=True)]
 
 
 def gsm8k_format_reward(completions, **kwargs) -> list[float]:
     """1.0 when the completion puts a final answer in \\boxed{...}, else 0.0 (optional shaping reward)."""
     return [1.0 if _last_boxed(completion_text(c)) is not None else 0.0 for c in completions]
+
+
+def gsm8k_correct_format_reward(completions, answer, **kwargs) -> list[float]:
+    """1.0 when the completion's final answer is in \\boxed{...} *and* correct, else 0.0: a format bonus that cannot
+    be collected without solving the problem (the unconditional one taught small models to box wrong answers)."""
+    return [1.0 if _last_boxed(completion_text(c)) is not None and _is_correct(c, reference) else 0.0
+            for c, reference in zip(completions, answer, strict=True)]
