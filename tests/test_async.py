@@ -218,30 +218,80 @@ def test_every_sample_behaviour_logprobs_come_from_its_recorded_version(tmp_path
     assert max(staleness) == (2 if async_generation else 0)
 
 
+@pytest.mark.parametrize("continuous", [False, True])
 def test_inflight_weight_updates_keep_every_token_on_its_recorded_version(tmp_path, tokenizer, prompt_dataset,
-                                                                         monkeypatch):
+                                                                         monkeypatch, continuous):
     # In-flight updates on: generation slowed (20 ms a token) so that versions are published mid-sequence. Every
     # trained token's behaviour log-prob is what its own recorded version gives it, sequences do mix versions, the
-    # bound holds per token, and the prompt order is the synchronous run's.
+    # bound holds per token, and the prompt order is the synchronous run's. Continuous: the batches waiting are
+    # generated together in one `generate`, a stopped generation's tail with the next batch's rows.
     slow_generation(monkeypatch)
+    rows_per_call = []
+    generate_until = InProcessBackend.generate_until
+    monkeypatch.setattr(InProcessBackend, "generate_until", lambda backend, prompt_ids, *args, **kwargs: (
+        rows_per_call.append(len(prompt_ids)) or generate_until(backend, prompt_ids, *args, **kwargs)))
     runs = {}
     for mode in ("sync", "inflight"):
         reward = Recorder()
         trainer = make(tmp_path / mode, tokenizer, prompt_dataset, reward=reward, steps_per_generation=2, max_steps=12,
                        max_staleness=2, learning_rate=1e-2, max_completion_length=16,
-                       async_generation=mode == "inflight", inflight_weight_updates=mode == "inflight")
+                       async_generation=mode == "inflight", inflight_weight_updates=mode == "inflight",
+                       continuous_generation=continuous and mode == "inflight")
         versions = VersionRecorder(trainer)
         trainer.add_callback(versions)
         samples = record_trained_samples(trainer)
         trainer.train()
         runs[mode] = reward.prompts
     assert runs["inflight"] == runs["sync"]
+    # more rows in one call than a generation batch has = several batches generated together (continuous only)
+    assert (max(rows_per_call) > trainer.args.generation_batch_size) == continuous, rows_per_call
     assert check_behaviour_logprobs_against_versions(trainer, versions, samples, atol=1e-5) == 12 * 4
     assert max(logged(trainer, "a3po/gen/mixed_version_frac")) > 0
     assert sum(len(set(s["behavior_version"][row][s["completion_mask"][row].bool()].tolist())) > 1
                for s in samples for row in range(4)) > 0
     assert max(logged(trainer, "a3po/staleness/max")) <= 2
     assert producer_threads() == []
+
+
+def test_in_process_generate_until_gives_each_row_its_own_budget_and_the_behaviour_logprobs(tokenizer):
+    # Rows of different lengths and histories in one call (continuous generation merges batches; in flight, rows
+    # continue after different numbers of tokens): row r samples at most max_new_tokens - generated[r] tokens, and
+    # each token's log-prob is what the model gives it after that row's own (left-padded) prefix.
+    from transformers import GenerationConfig
+
+    model = make_model(tokenizer).eval()
+    config = GenerationConfig(do_sample=True, max_new_tokens=6, pad_token_id=0, eos_token_id=1, temperature=1.0,
+                              top_k=0, top_p=1.0)
+    backend = InProcessBackend(model, config, pad_token_id=0, eos_token_ids=[1])
+    prompts, generated = [[5, 6, 7], [8, 9], [10, 11, 12, 13, 14], [15]], [0, 2, 5, 3]
+    asked = []
+    torch.manual_seed(0)
+    ids, logprobs, unfinished = backend.generate_until(prompts, threading.Event(), lambda n: asked.append(n) or False,
+                                                       generated)
+    for row, (prompt, done) in enumerate(zip(prompts, generated)):
+        budget = 6 - done
+        ended = bool(ids[row]) and ids[row][-1] == 1
+        assert len(ids[row]) == len(logprobs[row]) and (len(ids[row]) == budget or ended), (row, ids[row])
+        assert not unfinished[row]
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor([prompt + ids[row]])).logits[0, len(prompt) - 1 : -1]
+        expected = torch.log_softmax(logits, -1).gather(-1, torch.tensor(ids[row])[:, None]).squeeze(-1)
+        assert torch.allclose(torch.tensor(logprobs[row]), expected, atol=1e-5), row
+    # asked after every token but the last with the rows still generating (after the first: those that sampled more)
+    assert asked[0] == sum(len(r) > 1 for r in ids) and asked == sorted(asked, reverse=True)
+    assert len(asked) == max(map(len, ids)) - 1
+    # stopped once at most two rows still generate (budgets 6, 4, 1, 3: at the third token, unless an EOS came
+    # first): those come back unfinished, all cut at the same token; the others finished by then
+    asked.clear()
+    ids, _, unfinished = backend.generate_until(prompts, threading.Event(),
+                                                lambda running: asked.append(running) or running <= 2, generated)
+    stopped_at = len(asked)  # tokens sampled when the interrupt said yes
+    assert asked[-1] <= 2 < min(asked[:-1], default=3) and sum(unfinished) == asked[-1] > 0
+    for row, budget in enumerate(6 - done for done in generated):
+        if unfinished[row]:
+            assert len(ids[row]) == stopped_at < budget and ids[row][-1] != 1
+        else:
+            assert len(ids[row]) <= stopped_at and (len(ids[row]) == budget or ids[row][-1] == 1)
 
 
 def test_async_lora_snapshot_generates_with_the_merged_policy(tmp_path, tokenizer, prompt_dataset):

@@ -51,9 +51,8 @@ def test_every_field_has_help():
                                                                             r"behav_imp_weight_cap, which is None"),
         (dict(use_decoupled_loss=False, behav_imp_weight_level="sequence", behav_imp_weight_min=0.5),
          r"behav_imp_weight_min, behav_imp_weight_level shape the decoupled loss.*use_decoupled_loss=False"),
-        (dict(continuous_generation=True),
-         r"continuous_generation=True .* needs async_generation=True and rollout_backend='vllm_server' .* Set "
-         r"continuous_generation=False"),
+        (dict(continuous_generation=True, async_generation=False),
+         r"continuous_generation=True .* needs async_generation=True. Set continuous_generation=False"),
         (dict(inflight_weight_updates=True, async_generation=False),
          r"inflight_weight_updates=True .* needs async_generation=True. Set inflight_weight_updates=False"),
     ],

@@ -13,6 +13,8 @@ class FakeBackend:
     """'Completions' that echo the prompt; the weights are {"version": v}, so every sample shows which version the
     producer loaded before generating it. Sleeps at random; can be made to block until stopped."""
 
+    serves_concurrent_requests = True
+
     def __init__(self, rng=None, max_delay=0.0):
         self.rng, self.max_delay = rng or random.Random(0), max_delay
         self.loaded = None
@@ -272,13 +274,21 @@ def test_an_error_closing_the_queue_never_replaces_the_error_that_ended_training
 
 class TokenByTokenBackend:
     """Samples one token at a time, each token the version loaded when it was sampled, and answers the queue's
-    `generate_until`: stops between two tokens once `interrupt()` says a newer version is due."""
+    `generate_until`: stops between two tokens once `interrupt(rows still generating)` says so. Each prompt's
+    completion has its own length (3 to 8 tokens, a function of the prompt), so batches have a tail. A server serves
+    concurrent requests; an in-process generator (`concurrent=False`) must never be asked for two at once."""
 
-    def __init__(self, rng, length=6):
-        self.rng, self.length = rng, length
+    max_new_tokens = 8
+
+    def __init__(self, rng, concurrent=True, token_delay=0.0005):
+        self.rng, self.serves_concurrent_requests, self.token_delay = rng, concurrent, token_delay
         self.loaded = None
         self._lock = threading.Lock()  # several streams at once under ContinuousGenerationQueue
-        self.streaming = self.most_streaming = 0
+        self.streaming = self.most_streaming = self.most_batches_in_a_call = self.continued_calls = 0
+
+    @staticmethod
+    def length(prompt):
+        return 3 + (7 * prompt[0] + 3 * prompt[1]) % 6
 
     def stage(self, named_tensors):
         return dict(named_tensors)
@@ -289,56 +299,74 @@ class TokenByTokenBackend:
         return 0.0
 
     def generate_until(self, prompt_ids, stop, interrupt, generated):
-        assert all(len(p) == len(prompt_ids[0]) for p in prompt_ids)  # prompts of equal length + equal prefixes
-        assert len(set(generated)) == 1
         with self._lock:
             self.streaming += 1
             self.most_streaming = max(self.most_streaming, self.streaming)
-        budget = self.length - generated[0]
+            assert self.serves_concurrent_requests or self.streaming == 1, "two generations at once in-process"
+        self.most_batches_in_a_call = max(self.most_batches_in_a_call, len({p[0] for p in prompt_ids}))
+        self.continued_calls += any(generated)  # rows stopped part-way (a version switch or a refill) go on
+        # prompt = [batch, row] + the tokens generated before; each row stops at its own length
+        wanted = [self.length(p) - done for p, done in zip(prompt_ids, generated)]
+        assert all(len(p) == 2 + done for p, done in zip(prompt_ids, generated)) and min(wanted) > 0
         ids = [[] for _ in prompt_ids]
         try:
-            for _ in range(budget):
-                time.sleep(self.rng.random() * 0.0005)
-                for row in ids:
-                    row.append(self.loaded)
-                if stop.is_set() or interrupt():
+            for _ in range(max(wanted)):
+                time.sleep(self.rng.random() * self.token_delay)
+                for row, want in zip(ids, wanted):
+                    if len(row) < want:
+                        row.append(self.loaded)
+                if stop.is_set():
+                    break
+                running = sum(len(row) < want for row, want in zip(ids, wanted))
+                if running and interrupt(running):
                     break
         finally:
             with self._lock:
                 self.streaming -= 1
-        return ids, [[0.0] * len(row) for row in ids], [len(row) < budget for row in ids]
+        return ids, [[0.0] * len(row) for row in ids], [len(row) < want for row, want in zip(ids, wanted)]
 
     def close(self):
         pass
 
 
-@pytest.mark.parametrize("queue_class,inflight", [(GenerationQueue, True), (ContinuousGenerationQueue, False),
-                                                  (ContinuousGenerationQueue, True)])
+@pytest.mark.parametrize("queue_class,inflight,server", [
+    (GenerationQueue, True, False), (ContinuousGenerationQueue, False, True), (ContinuousGenerationQueue, True, True),
+    (ContinuousGenerationQueue, False, False), (ContinuousGenerationQueue, True, False)])
 def test_inflight_and_continuous_schedules_keep_every_token_on_its_version_within_the_bound_and_in_order(
-        queue_class, inflight):
+        queue_class, inflight, server):
     # Random schedules as in run_schedule. In-flight updates: a sequence may mix versions. Continuous generation:
-    # several batches stream at once. Either way every token carries the version that sampled it, none is older than
-    # the bound allows, no version loads while a generation runs, and batches come back whole and in order.
-    mixed = concurrent = 0
+    # several batches at once, as concurrent requests (a server) or merged into one generation whose finished rows
+    # are refilled (in-process). Either way every token carries the version that sampled it, none is older than the
+    # bound allows, no version loads while a generation runs, and batches come back whole and in order.
+    mixed = concurrent = merged = continued = 0
     for seed in range(200):
         rng = random.Random(seed)
         eta, num_batches = rng.randint(0, 3), rng.randint(2, 8)
-        bound, backend = StalenessBound(eta), TokenByTokenBackend(random.Random(seed + 1))
+        # the trainer faster or slower than the generator: in the second case the generator falls behind
+        token_delay, step_delay = rng.choice([(0.0005, 0.002), (0.002, 0.0002)])
+        backend = TokenByTokenBackend(random.Random(seed + 1), server, token_delay)
+        bound = StalenessBound(eta)
         queue = queue_class(backend, inflight_weight_updates=inflight)
         try:
-            for version, result in drive_like_the_trainer(queue, bound, num_batches, rows=2):
-                assert result.prompt_ids == [[version, 0], [version, 1]]
-                for ids, behaviour in zip(result.batch.completion_ids, result.batch.versions):
-                    assert len(ids) == backend.length  # whole: tokens before and after each switch, none lost
+            for version, result in drive_like_the_trainer(queue, bound, num_batches, rows=4):
+                assert result.prompt_ids == [[version, i] for i in range(4)]
+                for prompt, ids, behaviour in zip(result.prompt_ids, result.batch.completion_ids,
+                                                  result.batch.versions):
+                    assert len(ids) == backend.length(prompt)  # whole: tokens before and after each stop, none lost
                     assert behaviour == ids  # each token's recorded version is the one that sampled it
                     assert behaviour == sorted(behaviour)  # versions only move forward within a sequence
                     assert all(version - eta <= v <= version for v in behaviour), (seed, version, behaviour, eta)
                     mixed += len(set(behaviour)) > 1
-                time.sleep(rng.random() * 0.002)
+                time.sleep(rng.random() * step_delay)
         finally:
             queue.close(timeout=10)
         assert not queue._thread.is_alive()
         assert not [t for t in threading.enumerate() if t.name.startswith("a3po-stream")]  # every stream joined
         concurrent += backend.most_streaming > 1
+        merged += backend.most_batches_in_a_call > 1
+        continued += backend.continued_calls
+    continuous = queue_class is ContinuousGenerationQueue
     assert (mixed > 0) == inflight  # the schedules did switch mid-sequence (and only in flight)
-    assert (concurrent > 0) == (queue_class is ContinuousGenerationQueue)  # several batches streamed at once
+    assert (concurrent > 0) == (continuous and server)  # several batches streamed at once
+    assert (merged > 0) == (continuous and not server)  # one generation held rows of several batches
+    assert (continued > 0) == inflight  # rows stopped part-way went on (only in flight: no stop without a version)

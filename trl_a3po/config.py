@@ -66,8 +66,8 @@ class A3POConfig(GRPOConfig):
         weight_sync_steps (`int`, *optional*, defaults to `1`):
             Load a newer version into the generator only when the one it holds is this many versions old.
         continuous_generation (`bool`, *optional*, defaults to `False`):
-            On a vLLM server, stream every batch the staleness bound lets in at once, so the next batches run while
-            the current one's tail finishes.
+            Generate every batch the staleness bound lets in at once (on a vLLM server as concurrent requests,
+            in-process merged into one `generate`), instead of one batch after another.
         inflight_weight_updates (`bool`, *optional*, defaults to `False`):
             Load a newer version in the middle of a generation, between two tokens, continuing each unfinished
             sequence under the new weights (per-token versions); on a vLLM server: abort, push, resubmit.
@@ -220,13 +220,14 @@ class A3POConfig(GRPOConfig):
     continuous_generation: bool = field(
         default=False,
         metadata={
-            "help": "With rollout_backend='vllm_server': every generation batch the staleness bound has let in "
-            "streams at once (a request each, in threads), so the server batches the next batches together with the "
-            "current one's tail instead of draining at each batch's end; results still reach the trainer in order. "
-            "A version is pushed only while nothing streams (with inflight_weight_updates the streams are stopped "
-            "between two tokens for it; without, new batches start with the held version when the bound allows). Off by "
-            "default: 1.34x faster wall on a long-tailed CPU-server benchmark (benchmarks/inflight.py) but at a higher "
-            "token staleness, whose effect on learning is not measured yet."
+            "help": "Generate every batch the staleness bound has let in at once instead of one after another: on a "
+            "vLLM server each streams as a request of its own (in threads), so the server batches the next batches "
+            "together with the current one's tail instead of draining at each batch's end; in-process the batches "
+            "waiting are merged into one `generate` (and, with inflight_weight_updates, a stopped generation's tail "
+            "joins the next batch's rows). Results still reach the trainer in order. A version is loaded only while "
+            "nothing generates (with inflight_weight_updates the generations are stopped between two tokens for it). "
+            "Off by default: on a long-tailed CPU-server benchmark (benchmarks/inflight.py) 1.34x faster wall but at a "
+            "higher token staleness, whose effect on learning is not measured yet."
         },
     )
     inflight_weight_updates: bool = field(
@@ -365,12 +366,10 @@ class A3POConfig(GRPOConfig):
                 f"{self.rollout_backend!r} the generator always runs the merged weights: set lora_weight_sync='auto' "
                 "(or 'merged'), or rollout_backend='vllm_server'."
             )
-        if self.continuous_generation and not (self.async_generation and self.rollout_backend == "vllm_server"):
+        if self.continuous_generation and not self.async_generation:
             raise ValueError(
-                "continuous_generation=True streams several batches at once to a vLLM server; it needs "
-                "async_generation=True and rollout_backend='vllm_server' (in-process generation runs one batch at a "
-                f"time; got async_generation={self.async_generation}, rollout_backend={self.rollout_backend!r}). Set "
-                "continuous_generation=False."
+                "continuous_generation=True generates several batches of the background producer at once; it needs "
+                "async_generation=True. Set continuous_generation=False."
             )
         if self.inflight_weight_updates and not self.async_generation:
             raise ValueError(

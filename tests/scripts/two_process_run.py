@@ -7,9 +7,10 @@ its samples' behaviour versions, and how many samples it checked against the wei
                                                                  one vLLM server for both ranks
     two_process_run.py OUT_DIR standin|standin-stagefail PORT   a stand-in server set up to fail (the run fails)
 
-`async-inflight` and `vllm-*-inflight` turn on in-flight weight updates, with generation slowed (20 ms each time the
-producer asks whether a newer version is due, i.e. per token) so that versions are published mid-sequence;
-`vllm-continuous-inflight` also streams every admitted batch at once (continuous_generation).
+`*-inflight` modes turn on in-flight weight updates, with generation slowed (20 ms, in-process continuous 60 ms, each
+time the producer asks whether a newer version is due, i.e. per token) so that versions are published mid-sequence;
+`*-continuous-inflight` also generates every admitted batch at once (continuous_generation: in-process merged into
+one `generate`, on the server as concurrent requests).
 
 `vllm-nccl-standin` replaces TRL's VLLMClient (the NCCL weight transfer, which needs GPUs) with a recorder, to count
 who initialises a communicator and how many pushes reach it; generation still runs on the real server.
@@ -34,8 +35,11 @@ out_dir, mode = Path(sys.argv[1]), sys.argv[2]
 inflight = mode.endswith("-inflight")
 seen = []
 if inflight:
+    # Continuous in-process: the first batches are generated together in one `generate` and only the last is left to
+    # be caught by a new version, so its tokens are slowed more.
+    seconds_per_token = 0.06 if mode == "async-continuous-inflight" else 0.02
     newer_version_due = GenerationQueue._newer_version_due
-    GenerationQueue._newer_version_due = lambda queue: time.sleep(0.02) or newer_version_due(queue)
+    GenerationQueue._newer_version_due = lambda queue: time.sleep(seconds_per_token) or newer_version_due(queue)
 
 
 def recorded_reward(prompts, completions, **kwargs):

@@ -1,18 +1,28 @@
-"""Continuous generation: the next generation batches stream while the current one's tail finishes.
+"""Continuous generation: the next generation batches are generated while the current one's tail finishes.
 
-`GenerationQueue` generates one batch at a time, so a server drains at the end of every batch (its last sequences
-run at a fraction of the batch size). Here the producer thread is a coordinator: every batch the staleness bound has
-let in (submitted) streams in a thread of its own, at once, and the server batches them together; results still
-leave in submission order. The rules that keep every token's version exact:
+`GenerationQueue` generates one batch at a time, so the generator drains at the end of every batch (its last sequences
+run at a fraction of the batch size). Here the producer thread is a coordinator, and every batch the staleness bound
+has let in (submitted) is generated at once, in one of two ways:
+- a backend that serves concurrent requests (a vLLM server): each batch streams in a thread of its own and the
+  server batches them together;
+- a backend that runs one `generate` at a time (in-process): one stream holds the rows of every batch ready to
+  start, so the batches that arrived while the last stream ran are generated as one (one tail instead of several).
+  With in-flight weight updates the tail of a stopped stream joins the next batch's rows in the next stream (HF
+  `generate` runs a static batch: the continued rows' keys and values are recomputed, which in flight they must be
+  anyway, by the new weights).
+Why no refill of finished rows without a version change: every batch the trainer submits after the first step needs
+the version published just before it (`StalenessBound.last_submittable`), so it can never start under the version a
+running stream holds; a new batch is ready only after a load, and loads wait for (or, in flight, stop) the streams.
+Results still leave in submission order. The rules that keep every token's version exact:
 - a version is loaded (pushed) only while no stream runs. A batch the staleness bound keeps from the held version
   (its `min_version` is newer) waits until the running streams end, or, with in-flight weight updates, stops them
   between two tokens (they keep what they received) and they resume under the new version with those tokens. A newer
   version that is merely due (`sync_every`) is loaded when nothing streams, or, in flight, by stopping the streams;
   otherwise new batches start with the held version, which the bound allows, rather than wait;
 - each stream tags its tokens with the version held when it started, which no load can change while it runs.
-The backend's `generate_until` runs in the stream threads (several at once: a vLLM server handles concurrent
-requests); `load` runs in the coordinator only. Every stream thread is joined before the coordinator returns, so
-none outlives `close()`, and a stream's failure is raised by the coordinator like any producer failure.
+The backend's `generate_until` runs in the stream threads; `load` runs in the coordinator only. Every stream thread is
+joined before the coordinator returns, so none outlives `close()`, and a stream's failure is raised by the coordinator
+like any producer failure.
 """
 
 from __future__ import annotations
@@ -27,7 +37,7 @@ from .queue import GeneratedBatch, GenerationQueue, GenerationResult, _Failure, 
 
 @dataclass
 class _Batch:
-    """One submitted batch while it streams: its tokens so far, per row, and the stream working on it."""
+    """One submitted batch until it is handed over: its tokens so far, per row, and the stream working on it."""
 
     request: _Request
     idle_s: float
@@ -37,8 +47,7 @@ class _Batch:
     unfinished: list[bool] = field(default_factory=list)
     started: float = 0.0
     sync_s: float = 0.0
-    stream: threading.Thread | None = None
-    answer: tuple | BaseException | None = None  # what the stream thread returned or raised
+    stream: _Stream | None = None
 
     def __post_init__(self):
         n = len(self.request.prompt_ids)
@@ -51,8 +60,18 @@ class _Batch:
         return self.stream is None and not any(self.unfinished)
 
 
+@dataclass
+class _Stream:
+    """One `generate_until` call, in a thread of its own, over `rows` ((batch, row) pairs) with one version."""
+
+    rows: list[tuple[_Batch, int]]
+    version: int
+    thread: threading.Thread | None = None
+    answer: tuple | BaseException | None = None  # what `generate_until` returned or raised
+
+
 class ContinuousGenerationQueue(GenerationQueue):
-    """A `GenerationQueue` whose submitted batches all stream at once (see the module docstring)."""
+    """A `GenerationQueue` whose submitted batches are all generated at once (see the module docstring)."""
 
     def __init__(self, *args, **kwargs):
         self._wake = threading.Event()  # set by submit, publish, close and every stream that ends
@@ -86,9 +105,8 @@ class ContinuousGenerationQueue(GenerationQueue):
                 waiting = [b for b in batches if b.stream is None and any(b.unfinished)]
                 required = bool(waiting) and self._held_version < max(b.request.min_version for b in waiting)
                 due = self._newer_version_due()
-                if running and (required or (self._inflight and due)):
-                    if self._inflight:
-                        self._pause.set()  # the running streams stop at their next token; then the load
+                if running and self._inflight and (required or due):
+                    self._pause.set()  # the running streams stop at their next token; then the load
                     self._wake.wait()
                     continue
                 if not running and (required or due):
@@ -96,8 +114,12 @@ class ContinuousGenerationQueue(GenerationQueue):
                     self._pause.clear()
                     for batch in batches:
                         batch.sync_s += seconds
-                for batch in waiting:
-                    self._start_stream(batch)
+                ready = [b for b in waiting if b.request.min_version <= self._held_version]
+                if ready and self._backend.serves_concurrent_requests:
+                    for batch in ready:
+                        self._start_stream([batch])
+                elif ready and not running:
+                    self._start_stream(ready)
                 while batches and batches[0].done:
                     self._hand_over(batches.pop(0))
                 self._wake.wait()
@@ -106,9 +128,8 @@ class ContinuousGenerationQueue(GenerationQueue):
             self._results.put(_Failure(error))
         finally:
             self._stop.set()  # the streams end at their next token
-            for batch in batches:
-                if batch.stream is not None:
-                    batch.stream.join()
+            for stream in {id(b.stream): b.stream for b in batches if b.stream is not None}.values():
+                stream.thread.join()
 
     def _admit(self, batches: list[_Batch]) -> bool:
         """Take every submitted request; block for one only when nothing streams. False once closed."""
@@ -127,39 +148,43 @@ class ContinuousGenerationQueue(GenerationQueue):
 
     def _collect(self, batches: list[_Batch]) -> None:
         """Fold in what every ended stream received; raise a stream's failure."""
-        for batch in batches:
-            if batch.stream is None or batch.stream.is_alive():
-                continue
-            batch.stream.join()
-            batch.stream, answer, batch.answer = None, batch.answer, None
-            if isinstance(answer, BaseException):
-                raise answer
-            rows, version, (new_ids, new_logprobs, unfinished) = answer
-            for row, i in enumerate(rows):
+        ended = {id(b.stream): b.stream for b in batches if b.stream is not None and not b.stream.thread.is_alive()}
+        for stream in ended.values():
+            stream.thread.join()
+            for batch, _ in stream.rows:
+                batch.stream = None
+            if isinstance(stream.answer, BaseException):
+                raise stream.answer
+            new_ids, new_logprobs, unfinished = stream.answer
+            for row, (batch, i) in enumerate(stream.rows):
                 batch.ids[i] += new_ids[row]
                 batch.logprobs[i] += new_logprobs[row]
-                batch.versions[i] += [version] * len(new_ids[row])
+                batch.versions[i] += [stream.version] * len(new_ids[row])
                 batch.unfinished[i] = unfinished[row]
 
-    def _start_stream(self, batch: _Batch) -> None:
-        rows = [i for i, unfinished in enumerate(batch.unfinished) if unfinished]
-        prompts = [batch.request.prompt_ids[i] + batch.ids[i] for i in rows]
-        version = self._held_version
-        self._doing = f"generating batch {batch.request.index} with version {version}"
+    def _start_stream(self, batches: list[_Batch]) -> None:
+        stream = _Stream([(b, i) for b in batches for i, more in enumerate(b.unfinished) if more], self._held_version)
+        prompts = [batch.request.prompt_ids[i] + batch.ids[i] for batch, i in stream.rows]
+        generated = [len(batch.ids[i]) for batch, i in stream.rows]
+        self._doing = f"generating batches {[b.request.index for b in batches]} with version {stream.version}"
         # With in-flight updates a stream also stops when a newer version is due; without, it runs to its end.
         due = self._newer_version_due if self._inflight else (lambda: False)
 
-        def stream():
+        def interrupt(running: int) -> bool:
+            return self._pause.is_set() or due()
+
+        def generate():
             try:
-                batch.answer = (rows, version, self._backend.generate_until(
-                    prompts, self._stop, lambda: self._pause.is_set() or due(), [len(batch.ids[i]) for i in rows]))
+                stream.answer = self._backend.generate_until(prompts, self._stop, interrupt, generated)
             except BaseException as error:
-                batch.answer = error
+                stream.answer = error
             finally:
                 self._wake.set()
 
-        batch.stream = threading.Thread(target=stream, name=f"a3po-stream-{batch.request.index}", daemon=True)
-        batch.stream.start()
+        stream.thread = threading.Thread(target=generate, name=f"a3po-stream-{batches[0].request.index}", daemon=True)
+        for batch in batches:
+            batch.stream = stream
+        stream.thread.start()
 
     def _hand_over(self, batch: _Batch) -> None:
         generated = GeneratedBatch(batch.ids, batch.logprobs, batch.versions,

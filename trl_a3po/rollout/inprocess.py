@@ -43,7 +43,8 @@ def generate_with_behavior_logprobs(
     eos_token_ids: list[int],
     stop: threading.Event | None = None,
     synced_gpus: bool | None = None,
-    interrupt: Callable[[], bool] | None = None,
+    interrupt: Callable[[int], bool] | None = None,
+    budgets: list[int] | None = None,
 ) -> tuple[list[list[int]], list[list[float]]]:
     """Sample one completion per prompt; return the completion ids (up to and including the first EOS) and, for
     each sampled token, its log-prob under the distribution it was sampled from.
@@ -54,8 +55,10 @@ def generate_with_behavior_logprobs(
     in-process backend's batch sizes; large-vocabulary, long-generation runs belong on a vLLM server. Once `stop` is
     set, generation ends at the next token (the caller discards the incomplete result). `synced_gpus` is `generate`'s
     (None: its default, True under ZeRO-3 / FSDP with several processes, where every process must step together);
-    a private snapshot passes False, since it is whole and must never enter a collective. Once `interrupt()` returns
-    True, generation also ends at the next token (a newer version is due: the caller continues the unfinished rows).
+    a private snapshot passes False, since it is whole and must never enter a collective. `interrupt(running)` is
+    asked after every token with the number of rows still generating; once it returns True, generation ends there (a
+    newer version is due, or finished rows are to be replaced: the caller continues the unfinished rows). `budgets`:
+    row r samples at most `budgets[r]` tokens (default: `max_new_tokens` for every row).
     """
     device = model.device
     input_ids, attention_mask = left_pad(prompt_ids, pad_token_id)
@@ -66,11 +69,14 @@ def generate_with_behavior_logprobs(
     # GRPOTrainer turns `use_cache` off in the policy's config (training has no use for it); without the KV cache,
     # every new token would recompute the whole sequence.
     generation_config.use_cache = True
+    if budgets is None:
+        budgets = [generation_config.max_new_tokens] * len(prompt_ids)
+    generation_config.max_new_tokens = max(budgets)
     out = model.generate(
         input_ids=input_ids.to(device),
         attention_mask=attention_mask.to(device),
         generation_config=generation_config,
-        stopping_criteria=StoppingCriteriaList([_StopWhen(stop, interrupt)]) if stop or interrupt else None,
+        stopping_criteria=StoppingCriteriaList([_StopWhen(stop, interrupt, width, budgets, eos_token_ids)]),
         synced_gpus=synced_gpus,
     )
     completion = out.sequences[:, width:]
@@ -88,7 +94,7 @@ def generate_with_behavior_logprobs(
     completion_ids, logprobs = [], []
     for row in range(completion.size(0)):
         is_eos = torch.isin(completion[row], eos).nonzero()
-        length = int(is_eos[0]) + 1 if len(is_eos) else num_steps
+        length = min(int(is_eos[0]) + 1 if len(is_eos) else num_steps, budgets[row])
         completion_ids.append(completion[row, :length].tolist())
         logprobs.append(token_logprobs[row, :length].tolist())
     return completion_ids, logprobs
@@ -107,6 +113,8 @@ class InProcessBackend:
     the staging copy's event. What cannot overlap: the two threads share the GIL, so kernel launches interleave, and
     staging (a device-to-device copy on the trainer's stream) takes the trainer's time.
     """
+
+    serves_concurrent_requests = False  # one `generate` at a time: continuous generation merges batches into one
 
     def __init__(self, snapshot: PreTrainedModel, generation_config: GenerationConfig, pad_token_id: int,
                  eos_token_ids: list[int]):
@@ -147,32 +155,26 @@ class InProcessBackend:
         return time.perf_counter() - start
 
     def generate(self, prompt_ids: list[list[int]], stop: threading.Event):
+        ids, logprobs, _ = self.generate_until(prompt_ids, stop, None, [0] * len(prompt_ids))
+        return ids, logprobs
+
+    def generate_until(self, prompt_ids: list[list[int]], stop: threading.Event,
+                       interrupt: Callable[[int], bool] | None, generated: list[int]
+                       ) -> tuple[list[list[int]], list[list[float]], list[bool]]:
+        """Generate until done or `interrupt(rows still generating)`. Row r's prompt may end with `generated[r]` tokens
+        already sampled (a continuation: after a weight update their keys and values are recomputed by the weights
+        loaded now), so its budget is the rest of `max_new_tokens`. Returns the new tokens, their log-probs, and per
+        row whether it is unfinished (no EOS yet, budget left)."""
+        budgets = [self.generation_config.max_new_tokens - done for done in generated]
         with self._on_generator_stream(), torch.no_grad():
             # The results are copied to the CPU at the end, which waits for this stream's work.
-            return generate_with_behavior_logprobs(
+            ids, logprobs = generate_with_behavior_logprobs(
                 self.snapshot, prompt_ids, self.generation_config, self.pad_token_id, self.eos_token_ids, stop=stop,
                 # The snapshot is whole and private: `generate`'s default under ZeRO-3 / FSDP (synced_gpus=True) would
                 # run an all_reduce per token from this thread, colliding with the trainer's collectives.
-                synced_gpus=False,
-            )
-
-    def generate_until(self, prompt_ids: list[list[int]], stop: threading.Event, interrupt: Callable[[], bool],
-                       generated: list[int]) -> tuple[list[list[int]], list[list[float]], list[bool]]:
-        """Generate until done or `interrupt()`; row r's prompt may end with `generated[r]` tokens already sampled (a
-        continuation after a weight update: their keys and values are recomputed by the weights loaded now; every row
-        stops at the same token, so all have sampled as many). Returns the new tokens, their log-probs, and per row
-        whether it is unfinished (no EOS yet, budget left)."""
-        if len(set(generated)) > 1:
-            raise ValueError(f"rows continued together must have sampled as many tokens; got {sorted(set(generated))}")
-        budget = self.generation_config.max_new_tokens - generated[0]
-        config = copy.copy(self.generation_config)
-        config.max_new_tokens = budget
-        with self._on_generator_stream(), torch.no_grad():
-            ids, logprobs = generate_with_behavior_logprobs(
-                self.snapshot, prompt_ids, config, self.pad_token_id, self.eos_token_ids, stop=stop,
-                synced_gpus=False, interrupt=interrupt)
+                synced_gpus=False, interrupt=interrupt, budgets=budgets)
         eos = set(self.eos_token_ids)
-        unfinished = [len(row) < budget and not (row and row[-1] in eos) for row in ids]
+        unfinished = [len(row) < budget and not (row and row[-1] in eos) for row, budget in zip(ids, budgets)]
         return ids, logprobs, unfinished
 
     def close(self) -> None:
@@ -180,15 +182,27 @@ class InProcessBackend:
 
 
 class _StopWhen(StoppingCriteria):
-    """Ends `generate` (every row at the same token) once `stop` is set (training is ending) or `interrupt()` says so
-    (a newer version is due)."""
+    """Per row: done once it has sampled an EOS or its budget. For all rows at once (at the same token): once `stop` is
+    set (training is ending) or `interrupt(rows still generating)` says so."""
 
-    def __init__(self, stop: threading.Event | None, interrupt: Callable[[], bool] | None):
-        self.stop, self.interrupt = stop, interrupt
+    def __init__(self, stop: threading.Event | None, interrupt: Callable[[int], bool] | None, prompt_width: int,
+                 budgets: list[int], eos_token_ids: list[int]):
+        self.stop, self.interrupt, self.prompt_width = stop, interrupt, prompt_width
+        self.budgets, self.eos, self.done = torch.tensor(budgets), torch.tensor(eos_token_ids), None
 
     def __call__(self, input_ids, scores, **kwargs):
-        now = bool((self.stop is not None and self.stop.is_set()) or (self.interrupt is not None and self.interrupt()))
-        return torch.full((input_ids.size(0),), now, dtype=torch.bool, device=input_ids.device)
+        if self.done is None:
+            self.budgets, self.eos = self.budgets.to(input_ids.device), self.eos.to(input_ids.device)
+            self.done = torch.zeros(input_ids.size(0), dtype=torch.bool, device=input_ids.device)
+        sampled = input_ids.size(1) - self.prompt_width
+        self.done |= torch.isin(input_ids[:, -1], self.eos) | (self.budgets <= sampled)
+        if self.stop is not None and self.stop.is_set():
+            return torch.ones_like(self.done)
+        if self.interrupt is not None:
+            running = int((~self.done).sum())  # `generate` itself reads its row flags back every token, too
+            if running and self.interrupt(running):
+                return torch.ones_like(self.done)
+        return self.done.clone()
 
 
 def _is_tied(model: PreTrainedModel, name: str) -> bool:

@@ -98,6 +98,8 @@ class VLLMServerBackend:
     raises `VLLMServerError` with the server's message: nothing truncated is ever trained.
     """
 
+    serves_concurrent_requests = True  # continuous generation streams each batch as a request of its own
+
     def __init__(self, base_url: str, transport, sampling: dict, timeout_s: float = 240.0,
                  connect_timeout_s: float = 5.0, lora: dict | None = None):
         """`lora`: for a PEFT LoRA policy, {"config": its LoraConfig, "sync": "adapter" | "auto", "folder": where the
@@ -336,9 +338,9 @@ class VLLMServerBackend:
         return completion_ids, logprobs
 
     def generate_until(self, prompt_ids: list[list[int]], stop: threading.Event, interrupt, generated: list[int]):
-        """In-flight weight updates: generate until done or `interrupt()` (checked at every streamed event); then the
-        response is closed, which aborts the request on the server, and only the tokens received (all sampled by the
-        weights the server held) are kept. Row r's prompt may end with `generated[r]` tokens already sampled: its
+        """Generate until done or `interrupt(rows still generating)` (asked at every streamed event); then the response
+        is closed, which aborts the request on the server, and only the tokens received (all sampled by the weights
+        the server held) are kept. Row r's prompt may end with `generated[r]` tokens already sampled: its
         budget is the rest of max_tokens (one request asks for the largest budget; a row past its own is cut there,
         as max_tokens would have). Returns the new tokens, their log-probs, and per row whether it is unfinished."""
         budgets = [self.sampling["max_tokens"] - done for done in generated]
@@ -403,7 +405,8 @@ class VLLMServerBackend:
                         )
                         if choice.get("finish_reason") is not None:
                             finish_reasons[row] = choice["finish_reason"]
-                    if interrupt is not None and None in finish_reasons and interrupt():
+                    running = finish_reasons.count(None)
+                    if interrupt is not None and running and interrupt(running):
                         interrupted = True
                         break
         except requests.RequestException as error:
