@@ -1,6 +1,6 @@
 """Batch-granular generation vs in-flight weight updates vs continuous generation, long-tailed completion lengths.
 
-    python benchmarks/inflight.py                                  # in-process, CPU, ~4 min on 2 cores
+    python benchmarks/inflight.py                                  # in-process, CPU, ~10 min on 2 cores
     python benchmarks/inflight.py --backend vllm_server --vllm-port 8000 --model-dir DIR \
         --modes batch inflight continuous continuous-inflight     # a running vLLM server
     python benchmarks/inflight.py --save-model DIR                 # write the model + tokenizer a server starts from
@@ -10,13 +10,13 @@ The workload: a random Qwen2-shaped model (vocab 1024) whose end-of-sequence log
 geometric, p95 / median ~ 4, capped at `--completion-tokens`. The bias is part of the policy on both sides: the
 trainer's forward (a patch of the model class's forward, below) and the generator (the same patch in-process; the
 request's `logit_bias` on a vLLM server, which its processed log-probs include), so behaviour log-probs stay exact.
-The reward is synthetic. Both modes run the same seed, data, steps and staleness bound, interleaved `--repeats` times; the medians are
-compared.
+The reward is synthetic. Every mode runs the same seed, data, steps and staleness bound, interleaved `--repeats`
+times; the medians are compared.
 
 Modes: `batch` (a generation batch runs to its end with the version it started with; the next version loads between
 batches), `inflight` (inflight_weight_updates: a newer version loads between two tokens; unfinished sequences continue
-under it), `continuous` (continuous_generation, vLLM server only: every batch the bound lets in streams at once) and
-`continuous-inflight` (both). Reported per mode: wall time, trainer wait per training step, generator tokens/s (per
+under it), `continuous` (continuous_generation: every batch the bound lets in is generated at once, on a server as
+concurrent requests, in-process merged into one `generate`) and `continuous-inflight` (both). Reported per mode: wall time, trainer wait per training step, generator tokens/s (per
 batch: its tokens over its time in the generator), generator idle share (producer time waiting for a request / wall),
 mean token staleness, the share of sequences that mix versions, versions loaded (pushed) per run and the
 completion-length median / p95.
@@ -130,8 +130,8 @@ def main():
     parser.add_argument("--prompt-tokens", type=int, default=32)
     parser.add_argument("--max-staleness", type=int, default=2)
     parser.add_argument("--eos-bias", type=float, default=4.1, help="added to the EOS logit: hazard ~1/16 per token")
-    parser.add_argument("--modes", nargs="+", default=["batch", "inflight"],
-                        choices=["batch", "inflight", "continuous", "continuous-inflight"])
+    modes = ["batch", "inflight", "continuous", "continuous-inflight"]
+    parser.add_argument("--modes", nargs="+", default=modes, choices=modes)
     parser.add_argument("--repeats", type=int, default=3, help="runs per mode, interleaved (batch, inflight, batch, "
                         "...): the first run of a process warms caches, and a shared CPU drifts")
     parser.add_argument("--backend", default="inprocess", choices=["inprocess", "vllm_server"])

@@ -73,3 +73,13 @@ def test_seeds_of_one_method_draw_as_mean_and_sample_std():
     assert mean_band([([1, 2], [0.5, 0.7])], "step") == ([1, 2], [0.5, 0.7], [0.0, 0.0])
     with pytest.raises(ValueError, match="logged different steps"):
         mean_band([([1, 2], [0.0, 0.0]), ([1, 3], [0.0, 0.0])], "step")
+
+
+def test_seed_bands_are_clipped_to_the_quantity_range():
+    from trl_a3po.plot import RANGES, clipped_band
+
+    # an accuracy of 0.9 +- 0.2 and 0.05 +- 0.1: the band stops at 1 and at 0
+    assert clipped_band([0.9, 0.05], [0.2, 0.1], RANGES["rewards/gsm8k_accuracy_reward/mean"]) == (
+        [pytest.approx(0.7), 0.0], [1.0, pytest.approx(0.15)])
+    assert clipped_band([0.01], [0.02], RANGES["a3po/prox_time_s"]) == ([0.0], [0.03])  # no upper limit
+    assert clipped_band([-0.5], [1.0], RANGES.get("reward")) == ([-1.5], [0.5])  # the total reward: unclipped

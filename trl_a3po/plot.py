@@ -3,7 +3,7 @@
 Each RUN_DIR holds a `trainer_state.json` (the recipe saves one; so does every checkpoint). Runs are labelled by
 their method (sync / recompute / loglinear / metrics, from the run's saved training arguments) or by
 `--labels`. One PNG per figure, one curve per label: runs that share a label (seeds of one method) are drawn as
-their mean with a band of +- one standard deviation. One PNG per figure:
+their mean with a band of +- one standard deviation, clipped to the quantity's range (`RANGES`). One PNG per figure:
   fig1_prox_time.png        seconds spent on proximal log-probs per optimizer step
   fig2_reward_wallclock.png training reward vs wall-clock
   fig2b_reward_step.png     training reward vs optimizer step
@@ -37,6 +37,26 @@ FIGURES = {
                                "pi_prox / pi_behav", "step"),
     "fig6_clipped_tokens": ("clipped tokens per step", "clip_ratio/region_mean", "fraction of tokens", "step"),
 }
+
+# What each quantity can be: a seed band (mean +- std) is clipped to it, so it never shows an accuracy above 1 or a
+# negative time. The total reward is left unclipped: its range depends on the reward functions and their weights.
+RANGES = {
+    "a3po/prox_time_s": (0.0, None),
+    "rewards/gsm8k_accuracy_reward/mean": (0.0, 1.0),
+    EVAL_KEY: (0.0, 1.0),
+    "entropy": (0.0, None),
+    "a3po/behav_imp_weight/max": (0.0, None),
+    "a3po/behav_imp_weight/min": (0.0, None),
+    "clip_ratio/region_mean": (0.0, 1.0),
+}
+
+
+def clipped_band(mean: list[float], std: list[float], bounds: tuple[float | None, float | None] | None):
+    """(lower, upper) of mean +- std, each clipped to `bounds` ((low, high), either None for no limit)."""
+    low, high = bounds or (None, None)
+    lower = [m - s if low is None else max(m - s, low) for m, s in zip(mean, std)]
+    upper = [m + s if high is None else min(m + s, high) for m, s in zip(mean, std)]
+    return lower, upper
 
 
 def load_history(run_dir: str) -> list[dict]:
@@ -127,8 +147,8 @@ def plot_runs(run_dirs: list[str], out_dir: str, labels: list[str] | None = None
                 seeds = f", {len(curves)} runs" if len(curves) > 1 else ""
                 line, = ax.plot(xs, mean, marker="." if len(xs) < 50 else None, label=label + suffix + seeds)
                 if len(curves) > 1:
-                    ax.fill_between(xs, [m - s for m, s in zip(mean, std)], [m + s for m, s in zip(mean, std)],
-                                    color=line.get_color(), alpha=0.2, linewidth=0)
+                    ax.fill_between(xs, *clipped_band(mean, std, RANGES.get(key)), color=line.get_color(), alpha=0.2,
+                                    linewidth=0)
                 drawn += 1
         if not drawn:
             ax.text(0.5, 0.5, "not in these logs", ha="center", va="center", transform=ax.transAxes)
