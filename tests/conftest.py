@@ -72,8 +72,9 @@ def free_port() -> int:
 
 
 def producer_threads() -> list:
-    """The generation producer threads alive now (GenerationQueue names them "a3po-producer")."""
-    return [t for t in threading.enumerate() if t.name == "a3po-producer" and t.is_alive()]
+    """The generation threads alive now: producers ("a3po-producer") and continuous generation's streams."""
+    return [t for t in threading.enumerate()
+            if (t.name == "a3po-producer" or t.name.startswith("a3po-stream")) and t.is_alive()]
 
 
 @pytest.fixture(scope="session")

@@ -347,11 +347,13 @@ def test_unreachable_vllm_server_fails_fast_naming_host_and_port(tmp_path, token
     assert time.perf_counter() - start < 30
 
 
-@pytest.mark.parametrize("resume_step,inflight", [(3, False), (2, False), (2, True)])  # a batch boundary, inside one
+# a batch boundary, inside one; inside one with in-flight updates, with continuous generation
+@pytest.mark.parametrize("resume_step,inflight,continuous", [(3, False, False), (2, False, False), (2, True, False),
+                                                             (2, False, True)])
 def test_resume_continues_the_order_without_skipping_or_repeating(tmp_path, tokenizer, prompt_dataset, resume_step,
-                                                                 inflight):
+                                                                 inflight, continuous):
     kwargs = dict(steps_per_generation=3, max_steps=9, save_strategy="steps", save_steps=resume_step,
-                  inflight_weight_updates=inflight)
+                  inflight_weight_updates=inflight, continuous_generation=continuous)
     full = make(tmp_path / "full", tokenizer, prompt_dataset, **kwargs)
     full_batches = record_microbatches(full)
     full.train()
@@ -409,9 +411,10 @@ class _FailingOptimizerStep(TrainerCallback):
         getattr(optimizer, "optimizer", optimizer).register_step_pre_hook(hook)  # inside Accelerate's wrapper
 
 
-@pytest.mark.parametrize("how,inflight", [("raise", False), ("sigint", False), ("raise", True), ("sigint", True)])
+@pytest.mark.parametrize("how", ["raise", "sigint"])
+@pytest.mark.parametrize("inflight,continuous", [(False, False), (True, False), (False, True)])
 def test_a_failure_during_training_ends_train_fast_with_no_thread_left(tmp_path, tokenizer, prompt_dataset,
-                                                                       monkeypatch, request, how, inflight):
+                                                                       monkeypatch, request, how, inflight, continuous):
     if how == "sigint":
         # A process started in the background (`nohup ... &`) inherits SIGINT ignored, and Python then installs no
         # KeyboardInterrupt handler: install the one a Ctrl-C in a terminal meets.
@@ -419,9 +422,10 @@ def test_a_failure_during_training_ends_train_fast_with_no_thread_left(tmp_path,
         request.addfinalizer(lambda: signal.signal(signal.SIGINT, previous))
     # From the second batch on, generation takes 0.5 s per token for 64 tokens (32 s): the producer is mid-generation
     # when the optimizer step fails, and only the stop signal can end it early.
-    # (With in-flight updates, the generation is the backend's `generate_until`, and may switch versions meanwhile.)
+    # (With in-flight updates, the generation is the backend's `generate_until`, and may switch versions meanwhile;
+    # with continuous generation it is `generate_until` too, in a stream thread of the coordinator's.)
     mid_generation = threading.Event()
-    method = "generate_until" if inflight else "generate"
+    method = "generate_until" if inflight or continuous else "generate"
     real = getattr(InProcessBackend, method)
     calls = {"n": 0}
 
@@ -437,7 +441,7 @@ def test_a_failure_during_training_ends_train_fast_with_no_thread_left(tmp_path,
 
     monkeypatch.setattr(InProcessBackend, method, slow)
     trainer = make(tmp_path, tokenizer, prompt_dataset, steps_per_generation=2, max_steps=8,
-                   max_completion_length=64, inflight_weight_updates=inflight)
+                   max_completion_length=64, inflight_weight_updates=inflight, continuous_generation=continuous)
     trainer.add_callback(_FailingOptimizerStep(how))
     start = time.perf_counter()
     expected = RuntimeError if how == "raise" else KeyboardInterrupt
@@ -449,7 +453,7 @@ def test_a_failure_during_training_ends_train_fast_with_no_thread_left(tmp_path,
     assert mid_generation.is_set()
     assert elapsed < 15, elapsed
     assert trainer.state.global_step == 1
-    assert not [t for t in threading.enumerate() if t.name == "a3po-producer"]
+    assert producer_threads() == []  # the producer and, continuous, every stream thread
 
 
 @pytest.mark.parametrize("case", ["tools", "iterable", "grpo_config", "dora", "ia3", "lora_bias", "images",
