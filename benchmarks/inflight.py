@@ -14,12 +14,12 @@ The reward is synthetic. Every mode runs the same seed, data, steps and stalenes
 times; the medians are compared.
 
 Modes: `batch` (a generation batch runs to its end with the version it started with; the next version loads between
-batches), `inflight` (inflight_weight_updates: a newer version loads between two tokens; unfinished sequences continue
-under it), `continuous` (continuous_generation: every batch the bound lets in is generated at once, on a server as
-concurrent requests, in-process merged into one `generate`) and `continuous-inflight` (both). Reported per mode: wall time, trainer wait per training step, generator tokens/s (per
-batch: its tokens over its time in the generator), generator idle share (producer time waiting for a request / wall),
-mean token staleness, the share of sequences that mix versions, versions loaded (pushed) per run and the
-completion-length median / p95.
+batches), `inflight` (inflight_weight_updates: a newer version loads between two tokens; unfinished sequences
+continue under it), `continuous` (continuous_generation: every batch the bound lets in is generated at once, on a
+server as concurrent requests, in-process merged into one `generate`) and `continuous-inflight` (both). Reported per
+mode: wall time, trainer wait per training step, generator tokens/s (per batch: its tokens over its time in the
+generator), generator idle share (producer time waiting for a request / wall), mean token staleness, the share of
+sequences that mix versions, versions loaded (pushed) per run and the completion-length median / p95.
 """
 
 from __future__ import annotations

@@ -202,6 +202,31 @@ def summarize(method: str, seed: int, state_path: str, before: dict, after: dict
     }
 
 
+def accuracy_in_window(state_path: str, start_s: float = 600.0, end_s: float = 900.0) -> float | None:
+    """Mean training accuracy reward (sampled answers) of the generation batches logged between `start_s` and `end_s`
+    of the trainer's clock: how far a recipe has got by the demo's budget (15 minutes). None if none was logged."""
+    with open(state_path) as f:
+        values = [h[ACCURACY] for h in json.load(f)["log_history"]
+                  if ACCURACY in h and start_s < h.get("a3po/wall_time_s", -1.0) <= end_s]
+    return statistics.mean(values) if values else None
+
+
+def demo_budget_comparison(results_dir: str, first_benchmark_dir: str) -> None:
+    """The recipe question of the demo: does this sweep's recipe (loglinear, max_staleness 2, as the demo) get as far
+    in its first 15 minutes as the first benchmark's (the demo's current recipe)?"""
+    rows = []
+    for label, folder, prefix in (("this sweep's recipe", results_dir, "loglinear-d2-s"),
+                                  ("the demo's recipe (first benchmark)", first_benchmark_dir, "loglinear-s")):
+        names = sorted(n for n in os.listdir(folder) if n.startswith(prefix)) if os.path.isdir(folder) else []
+        values = [accuracy_in_window(os.path.join(folder, n, "trainer_state.json")) for n in names
+                  if os.path.exists(os.path.join(folder, n, "result.json"))]
+        values = [v for v in values if v is not None]
+        if values:
+            rows.append(f"  {label}: {mean_std(values)} over {len(values)} runs")
+    if rows:
+        print("Training accuracy reward in minutes 10-15 of training (loglinear, max_staleness 2):", *rows, sep="\n")
+
+
 def mean_std(values: list[float], digits: int = 3) -> str:
     if len(values) == 1:
         return f"{values[0]:.{digits}f} (1 seed)"
@@ -285,8 +310,9 @@ def report(results_dir: str, figures_dir: str) -> None:
                                if k.startswith(f"{approx}/abs/d")))
                 print(f"  {approx:<10} all {errors.get(f'{approx}/abs', math.nan):.5f}  "
                       + "  ".join(f"d{k} {v:.5f}" for k, v in by_d))
-    subprocess.check_call([sys.executable, "-m", "trl_a3po.plot", *[os.path.join(results_dir, r["name"]) for r in results],
-                           "--out", figures_dir, "--labels",
+    demo_budget_comparison(results_dir, os.path.join(REPO, "benchmarks", "runs", "learning"))
+    run_dirs = [os.path.join(results_dir, r["name"]) for r in results]
+    subprocess.check_call([sys.executable, "-m", "trl_a3po.plot", *run_dirs, "--out", figures_dir, "--labels",
                            *[f"{r['method']} d{r['max_staleness']}" for r in results]], cwd=REPO)
 
 
