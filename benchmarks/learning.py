@@ -4,7 +4,7 @@ learns on a CPU; resumable.
     python benchmarks/learning.py                          # every run not finished yet, then the tables and figures
     python benchmarks/learning.py --only loglinear:8:1     # one run (method:max_staleness:seed); finished ones skipped
     python benchmarks/learning.py --report                 # tables + figures from the finished runs only
-    python benchmarks/learning.py --calibrate 1e-5 2e-5 4e-5 --steps 20   # the learning-rate calibration
+    python benchmarks/learning.py --calibrate 2e-5 4e-5 1e-5   # the learning-rate calibration (--report: its table)
 
 The task: synthetic two-digit addition ("What is 47 + 38?"), `recipes/data/addition`, written by
 `python -m trl_a3po.data recipes/data/addition` (seed 0: 2,000 training / 200 held-out problems, no test pair in
@@ -329,8 +329,9 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--only", nargs="+", metavar="METHOD:D:SEED", help="these runs only (e.g. loglinear:8:1)")
     parser.add_argument("--report", action="store_true", help="no training: tables and figures of finished runs")
-    parser.add_argument("--calibrate", nargs="+", type=float, metavar="LR",
-                        help="instead of the sweep: loglinear, max_staleness 2, seed 0 at each learning rate")
+    parser.add_argument("--calibrate", nargs="*", type=float, metavar="LR",
+                        help="instead of the sweep: loglinear, max_staleness 2, seed 0 at each learning rate (with "
+                        "--report and no LR: the calibration's table)")
     parser.add_argument("--steps", type=int, default=30, help="optimizer steps per run (the same for all)")
     parser.add_argument("--learning-rate", type=float, default=LEARNING_RATE)
     parser.add_argument("--eval-limit", type=int, default=200, help="held-out problems for greedy accuracy")
@@ -343,7 +344,10 @@ def main():
     parser.add_argument("--port", type=int, default=8041, help="training server; the evaluation server uses +1")
     args = parser.parse_args()
 
-    if args.calibrate:
+    calibrating = args.calibrate is not None
+    if calibrating and not args.calibrate and not args.report:
+        parser.error("--calibrate needs learning rates (or --report)")
+    if calibrating:
         runs = [("loglinear", 2, 0, lr, os.path.join(args.calibration_results, f"lr{lr:g}")) for lr in args.calibrate]
     else:
         runs = [(m, d, s, args.learning_rate, os.path.join(args.results, run_name(m, d, s))) for m, d, s in all_runs()]
@@ -364,7 +368,7 @@ def main():
                 print(f"{os.path.basename(results)}: finished, skipped", flush=True)
                 continue
             train_and_evaluate(method, staleness, seed, args, base_model, results, learning_rate)
-    if args.calibrate:
+    if calibrating:
         calibration_report(args.calibration_results)
     else:
         report(args.results, args.figures)

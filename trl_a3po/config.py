@@ -227,7 +227,7 @@ class A3POConfig(GRPOConfig):
             "joins the next batch's rows). Results still reach the trainer in order. A version is loaded only while "
             "nothing generates (with inflight_weight_updates the generations are stopped between two tokens for it). "
             "Off by default: on a long-tailed CPU-server benchmark (benchmarks/inflight.py) 1.34x faster wall but at a "
-            "higher token staleness, whose effect on learning is not measured yet."
+            "higher token staleness, whose effect on learning is not measured yet; in-process on a CPU no gain (0.96x)."
         },
     )
     inflight_weight_updates: bool = field(
