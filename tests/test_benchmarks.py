@@ -83,6 +83,32 @@ def test_learning_sweep_runs_and_paired_differences():
     assert learning["paired_difference"]([-0.05]) == "-0.050 (1 seed)"
 
 
+def test_learning_sweep_report_pairs_runs_by_seed(tmp_path, capsys):
+    """The sweep's report from finished runs: per method and staleness, and the paired differences by seed."""
+    import json
+    import runpy
+
+    learning = runpy.run_path(str(REPO / "benchmarks" / "learning.py"))
+    after = {("loglinear", 2, 0): 0.5, ("loglinear", 2, 1): 0.6, ("recompute", 2, 0): 0.4, ("recompute", 2, 1): 0.3,
+             ("sync", 0, 0): 0.45}
+    for (method, d, seed), accuracy in after.items():
+        run = tmp_path / "runs" / learning["run_name"](method, d, seed)
+        run.mkdir(parents=True)
+        log = [{"step": 1, "step_time": 1.0, "reward": 0.1, "a3po/wall_time_s": 10.0 * (seed + 1)}]
+        (run / "trainer_state.json").write_text(json.dumps({"log_history": log}))
+        (run / "result.json").write_text(json.dumps({
+            "method": method, "seed": seed, "max_staleness": d, "steps": 1, "greedy_before": 0.13,
+            "greedy_after": accuracy, "train_s": 100.0 if method == "loglinear" else 150.0,
+            "staleness_share": {"0": 1.0}, "prox_error": {}, "first_batch": [0.1, 40.0]}))
+    learning["report"](str(tmp_path / "runs"), str(tmp_path / "figures"))
+    out = capsys.readouterr().out
+    # loglinear - recompute at d=2: seeds 0 and 1 give +0.1 and +0.3; loglinear - sync: seed 0 only, +0.05
+    assert "d=2 loglinear - recompute +0.200 +- 0.100 (SE), 95% [-1.071, +1.471], 2 seeds" in out
+    assert "d=2 loglinear - sync      +0.050 (1 seed)" in out
+    assert "d=2 training time recompute / loglinear: 1.50x (mean over 2 seeds)" in out
+    assert (tmp_path / "figures" / "fig3_eval_reward.png").exists()
+
+
 def test_gpu_check_runs_end_to_end_on_cpu_with_tiny_shapes():
     # benchmarks/gpu_check.sh as the GPU machine runs it, with tiny shapes on this CPU: its three tables, the last
     # from the real A3POTrainer with a synthetic tokenizer and reward (what the device has: no hub, no dataset).
