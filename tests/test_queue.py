@@ -274,7 +274,7 @@ def test_an_error_closing_the_queue_never_replaces_the_error_that_ended_training
 
 class TokenByTokenBackend:
     """Samples one token at a time, each token the version loaded when it was sampled, and answers the queue's
-    `generate_until`: stops between two tokens once `interrupt(rows still generating)` says so. Each prompt's
+    `generate_until`: stops between two tokens once `interrupt()` says so. Each prompt's
     completion has its own length (3 to 8 tokens, a function of the prompt), so batches have a tail. A server serves
     concurrent requests; an in-process generator (`concurrent=False`) must never be asked for two at once."""
 
@@ -315,10 +315,7 @@ class TokenByTokenBackend:
                 for row, want in zip(ids, wanted):
                     if len(row) < want:
                         row.append(self.loaded)
-                if stop.is_set():
-                    break
-                running = sum(len(row) < want for row, want in zip(ids, wanted))
-                if running and interrupt(running):
+                if stop.is_set() or interrupt():
                     break
         finally:
             with self._lock:

@@ -170,7 +170,7 @@ class ContinuousGenerationQueue(GenerationQueue):
         # With in-flight updates a stream also stops when a newer version is due; without, it runs to its end.
         due = self._newer_version_due if self._inflight else (lambda: False)
 
-        def interrupt(running: int) -> bool:
+        def interrupt() -> bool:
             return self._pause.is_set() or due()
 
         def generate():

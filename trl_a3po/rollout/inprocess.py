@@ -43,7 +43,7 @@ def generate_with_behavior_logprobs(
     eos_token_ids: list[int],
     stop: threading.Event | None = None,
     synced_gpus: bool | None = None,
-    interrupt: Callable[[int], bool] | None = None,
+    interrupt: Callable[[], bool] | None = None,
     budgets: list[int] | None = None,
 ) -> tuple[list[list[int]], list[list[float]]]:
     """Sample one completion per prompt; return the completion ids (up to and including the first EOS) and, for
@@ -55,9 +55,9 @@ def generate_with_behavior_logprobs(
     in-process backend's batch sizes; large-vocabulary, long-generation runs belong on a vLLM server. Once `stop` is
     set, generation ends at the next token (the caller discards the incomplete result). `synced_gpus` is `generate`'s
     (None: its default, True under ZeRO-3 / FSDP with several processes, where every process must step together);
-    a private snapshot passes False, since it is whole and must never enter a collective. `interrupt(running)` is
-    asked after every token with the number of rows still generating; once it returns True, generation ends there (a
-    newer version is due, or finished rows are to be replaced: the caller continues the unfinished rows). `budgets`:
+    a private snapshot passes False, since it is whole and must never enter a collective. Once `interrupt()`
+    returns True (asked after every token), generation ends there (a newer version is due: the caller continues the
+    unfinished rows). `budgets`:
     row r samples at most `budgets[r]` tokens (default: `max_new_tokens` for every row).
     """
     device = model.device
@@ -159,9 +159,9 @@ class InProcessBackend:
         return ids, logprobs
 
     def generate_until(self, prompt_ids: list[list[int]], stop: threading.Event,
-                       interrupt: Callable[[int], bool] | None, generated: list[int]
+                       interrupt: Callable[[], bool] | None, generated: list[int]
                        ) -> tuple[list[list[int]], list[list[float]], list[bool]]:
-        """Generate until done or `interrupt(rows still generating)`. Row r's prompt may end with `generated[r]` tokens
+        """Generate until done or `interrupt()`. Row r's prompt may end with `generated[r]` tokens
         already sampled (a continuation: after a weight update their keys and values are recomputed by the weights
         loaded now), so its budget is the rest of `max_new_tokens`. Returns the new tokens, their log-probs, and per
         row whether it is unfinished (no EOS yet, budget left)."""
@@ -183,9 +183,9 @@ class InProcessBackend:
 
 class _StopWhen(StoppingCriteria):
     """Per row: done once it has sampled an EOS or its budget. For all rows at once (at the same token): once `stop` is
-    set (training is ending) or `interrupt(rows still generating)` says so."""
+    set (training is ending) or `interrupt()` says so (a newer version is due)."""
 
-    def __init__(self, stop: threading.Event | None, interrupt: Callable[[int], bool] | None, prompt_width: int,
+    def __init__(self, stop: threading.Event | None, interrupt: Callable[[], bool] | None, prompt_width: int,
                  budgets: list[int], eos_token_ids: list[int]):
         self.stop, self.interrupt, self.prompt_width = stop, interrupt, prompt_width
         self.budgets, self.eos, self.done = torch.tensor(budgets), torch.tensor(eos_token_ids), None
@@ -196,12 +196,8 @@ class _StopWhen(StoppingCriteria):
             self.done = torch.zeros(input_ids.size(0), dtype=torch.bool, device=input_ids.device)
         sampled = input_ids.size(1) - self.prompt_width
         self.done |= torch.isin(input_ids[:, -1], self.eos) | (self.budgets <= sampled)
-        if self.stop is not None and self.stop.is_set():
+        if (self.stop is not None and self.stop.is_set()) or (self.interrupt is not None and self.interrupt()):
             return torch.ones_like(self.done)
-        if self.interrupt is not None:
-            running = int((~self.done).sum())  # `generate` itself reads its row flags back every token, too
-            if running and self.interrupt(running):
-                return torch.ones_like(self.done)
         return self.done.clone()
 
 

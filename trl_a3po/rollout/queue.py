@@ -59,7 +59,7 @@ class RolloutBackend(Protocol):
     def generate(self, prompt_ids: list[list[int]], stop: threading.Event) -> tuple[list[list[int]], list[list[float]]]:
         ...
 
-    # In-flight updates and continuous generation: stop once `interrupt(rows still generating)` says so; row r's
+    # In-flight updates and continuous generation: stop once `interrupt()` says so (between two tokens); row r's
     # prompt ends with `generated[r]` tokens sampled before. Returns ids, log-probs, per row whether unfinished.
     def generate_until(self, prompt_ids: list[list[int]], stop: threading.Event, interrupt, generated: list[int]
                        ) -> tuple[list[list[int]], list[list[float]], list[bool]]: ...
@@ -238,8 +238,8 @@ class GenerationQueue:
         while True:
             self._doing = f"generating batch {request.index} with version {self._held_version}"
             new_ids, new_logprobs, unfinished = self._backend.generate_until(
-                [request.prompt_ids[i] + ids[i] for i in active], self._stop,
-                lambda running: self._newer_version_due(), generated=[len(ids[i]) for i in active])
+                [request.prompt_ids[i] + ids[i] for i in active], self._stop, self._newer_version_due,
+                generated=[len(ids[i]) for i in active])
             if self._stop.is_set():
                 return ids, logprobs, versions, switch_s  # abandoned: the caller discards it
             for row, i in enumerate(active):

@@ -338,8 +338,7 @@ class VLLMServerBackend:
         return completion_ids, logprobs
 
     def generate_until(self, prompt_ids: list[list[int]], stop: threading.Event, interrupt, generated: list[int]):
-        """Generate until done or `interrupt(rows still generating)` (asked at every streamed event); then the response
-        is closed, which aborts the request on the server, and only the tokens received (all sampled by the weights
+        """Generate until done or `interrupt()` (asked at every streamed event); then the response is closed, which aborts the request on the server, and only the tokens received (all sampled by the weights
         the server held) are kept. Row r's prompt may end with `generated[r]` tokens already sampled: its
         budget is the rest of max_tokens (one request asks for the largest budget; a row past its own is cut there,
         as max_tokens would have). Returns the new tokens, their log-probs, and per row whether it is unfinished."""
@@ -405,8 +404,7 @@ class VLLMServerBackend:
                         )
                         if choice.get("finish_reason") is not None:
                             finish_reasons[row] = choice["finish_reason"]
-                    running = finish_reasons.count(None)
-                    if interrupt is not None and running and interrupt(running):
+                    if interrupt is not None and None in finish_reasons and interrupt():
                         interrupted = True
                         break
         except requests.RequestException as error:
