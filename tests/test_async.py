@@ -393,15 +393,17 @@ def test_a_run_killed_mid_step_resumes_from_its_checkpoint_in_the_synchronous_or
 
 
 class _FailingOptimizerStep(TrainerCallback):
-    """At the second optimizer step, the real `optimizer.step()` fails (a step pre-hook raises), or a SIGINT (Ctrl-C)
-    lands inside it."""
+    """At optimizer step `at_step` + 1, once the producer is mid-generation (`generating` set; 10 s at most), the real
+    `optimizer.step()` fails (a step pre-hook raises), or a SIGINT (Ctrl-C) lands inside it."""
 
-    def __init__(self, how):
-        self.how = how
+    def __init__(self, how, at_step=1, generating=None):
+        self.how, self.at_step, self.generating = how, at_step, generating
 
     def on_train_begin(self, args, state, control, optimizer=None, **kwargs):
         def hook(opt, *_):
-            if state.global_step == 1:
+            if state.global_step == self.at_step:
+                if self.generating is not None:
+                    self.generating.wait(10)
                 if self.how == "raise":
                     raise RuntimeError("simulated out of memory in optimizer.step")
                 os.kill(os.getpid(), signal.SIGINT)
@@ -429,7 +431,11 @@ def test_a_failure_during_training_ends_train_fast_with_no_thread_left(tmp_path,
 
     def slow(self, prompt_ids, stop, *args, **kwargs):
         calls["n"] += 1
-        if calls["n"] == 2:
+        # continuous: batches 0-2 may be one generation or two, all started before version 1 (optimizer step 2);
+        # the first generation after it (batch 3) crawls
+        if (calls["n"] == 2) if not continuous else (trainer.state.global_step >= 2 and "crawl" not in calls):
+            calls["crawl"] = True
+
             def crawl(module, args):
                 mid_generation.set()
                 time.sleep(0.5)
@@ -440,7 +446,10 @@ def test_a_failure_during_training_ends_train_fast_with_no_thread_left(tmp_path,
     monkeypatch.setattr(InProcessBackend, method, slow)
     trainer = make(tmp_path, tokenizer, prompt_dataset, steps_per_generation=2, max_steps=8,
                    max_completion_length=64, inflight_weight_updates=inflight, continuous_generation=continuous)
-    trainer.add_callback(_FailingOptimizerStep(how))
+    # Continuous: batch 3, the first generated after version 1 is published (optimizer step 2), crawls: the failure
+    # comes during optimizer step 4.
+    at_step = 3 if continuous else 1
+    trainer.add_callback(_FailingOptimizerStep(how, at_step, mid_generation))
     start = time.perf_counter()
     expected = RuntimeError if how == "raise" else KeyboardInterrupt
     with pytest.raises(expected) as info:
@@ -450,7 +459,7 @@ def test_a_failure_during_training_ends_train_fast_with_no_thread_left(tmp_path,
         assert "simulated out of memory" in str(info.value)  # the original error, not a wrapper
     assert mid_generation.is_set()
     assert elapsed < 15, elapsed
-    assert trainer.state.global_step == 1
+    assert trainer.state.global_step == at_step
     assert producer_threads() == []  # the producer and, continuous, every stream thread
 
 
