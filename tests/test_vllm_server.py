@@ -134,6 +134,9 @@ def test_async_training_on_the_vllm_server_respects_the_bound(tmp_path, vllm_ser
                 streams["now"] += 1
                 streams["most"] = max(streams["most"], streams["now"])
             try:
+                # every stream lasts >= 0.2 s, so streams the coordinator starts together are seen together (a tiny
+                # request can end before the next thread starts); streams started one after another still are not
+                time.sleep(0.2)
                 return generate_until(backend, *args)
             finally:
                 with lock:
