@@ -128,7 +128,7 @@ class ContinuousGenerationQueue(GenerationQueue):
             self._results.put(_Failure(error))
         finally:
             self._stop.set()  # the streams end at their next token
-            for stream in {id(b.stream): b.stream for b in batches if b.stream is not None}.values():
+            for stream in _streams(batches):
                 stream.thread.join()
 
     def _admit(self, batches: list[_Batch]) -> bool:
@@ -148,8 +148,7 @@ class ContinuousGenerationQueue(GenerationQueue):
 
     def _collect(self, batches: list[_Batch]) -> None:
         """Fold in what every ended stream received; raise a stream's failure."""
-        ended = {id(b.stream): b.stream for b in batches if b.stream is not None and not b.stream.thread.is_alive()}
-        for stream in ended.values():
+        for stream in [s for s in _streams(batches) if not s.thread.is_alive()]:
             stream.thread.join()
             for batch, _ in stream.rows:
                 batch.stream = None
@@ -191,3 +190,7 @@ class ContinuousGenerationQueue(GenerationQueue):
                                    time.perf_counter() - batch.started - batch.sync_s, batch.sync_s)
         self._results.put(GenerationResult(batch.request.index, batch.request.prompt_ids, generated, batch.idle_s))
 
+
+def _streams(batches: list[_Batch]) -> list[_Stream]:
+    """The distinct streams working on `batches` (in-process, one stream holds several batches)."""
+    return list({id(b.stream): b.stream for b in batches if b.stream is not None}.values())
