@@ -76,14 +76,18 @@ ACCURACY = "rewards/gsm8k_accuracy_reward/mean"
 
 
 def all_runs() -> list[tuple[str, int, int]]:
-    """(method, max_staleness, seed), seed-major so a partial sweep has its methods at the same seeds; the largest
-    staleness first within a seed (where the approximation is coarsest); the metrics runs last."""
+    """(method, max_staleness, seed), staleness-major from the largest (where the approximation is coarsest, and the
+    setting AReaL's documentation of A-3PO reports), so a partial sweep has a finished comparison at one staleness
+    over every seed before it starts the next: sync once per seed in the first block, recompute and loglinear of a
+    seed together, and the block's metrics run (approximation errors) last."""
     runs = []
-    for seed in SEEDS:
-        runs.append(("sync", 0, seed))
-        for d in sorted(STALENESS, reverse=True):
+    for d in sorted(STALENESS, reverse=True):
+        for seed in SEEDS:
+            if d == max(STALENESS):
+                runs.append(("sync", 0, seed))
             runs += [("recompute", d, seed), ("loglinear", d, seed)]
-    return runs + [("metrics", d, 0) for d in sorted(STALENESS, reverse=True)]
+        runs.append(("metrics", d, 0))
+    return runs
 
 
 def run_name(method: str, staleness: int, seed: int) -> str:

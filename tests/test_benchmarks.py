@@ -68,15 +68,17 @@ def test_learning_benchmark_summary_reads_a_run_log(tmp_path):
 
 
 def test_learning_sweep_runs_and_paired_differences():
-    """The sweep's run list (paired seeds, each seed's runs together) and its paired-difference statistics."""
+    """The sweep's run list (paired seeds; one staleness over every seed before the next) and its paired-difference statistics."""
     import runpy
 
     learning = runpy.run_path(str(REPO / "benchmarks" / "learning.py"))
     runs = learning["all_runs"]()
     assert len(runs) == len(set(runs)) == 3 * (1 + 2 * 3) + 3  # per seed: sync + {recompute, loglinear} x {2, 4, 8}
-    assert runs[:7] == [("sync", 0, 0), ("recompute", 8, 0), ("loglinear", 8, 0), ("recompute", 4, 0),
-                        ("loglinear", 4, 0), ("recompute", 2, 0), ("loglinear", 2, 0)]
-    assert runs[-3:] == [("metrics", 8, 0), ("metrics", 4, 0), ("metrics", 2, 0)]
+    assert runs[:10] == [("sync", 0, 0), ("recompute", 8, 0), ("loglinear", 8, 0), ("sync", 0, 1), ("recompute", 8, 1),
+                         ("loglinear", 8, 1), ("sync", 0, 2), ("recompute", 8, 2), ("loglinear", 8, 2), ("metrics", 8, 0)]
+    assert runs[10:17] == [("recompute", 4, 0), ("loglinear", 4, 0), ("recompute", 4, 1), ("loglinear", 4, 1),
+                           ("recompute", 4, 2), ("loglinear", 4, 2), ("metrics", 4, 0)]
+    assert runs[-1] == ("metrics", 2, 0)
     assert learning["run_name"]("loglinear", 8, 1) == "loglinear-d8-s1"
     # differences 0.1 and 0.3: mean 0.2, sample std 0.1414, SE 0.1, t(0.975, 1 df) = 12.706
     assert learning["paired_difference"]([0.1, 0.3]) == ("+0.200 +- 0.100 (SE), 95% [-1.071, +1.471], 2 seeds")
