@@ -100,14 +100,14 @@ def test_learning_sweep_report_pairs_runs_by_seed(tmp_path, capsys):
         (run / "trainer_state.json").write_text(json.dumps({"log_history": log}))
         (run / "result.json").write_text(json.dumps({
             "method": method, "seed": seed, "max_staleness": d, "steps": 1, "greedy_before": 0.13,
-            "greedy_after": accuracy, "train_s": 100.0 if method == "loglinear" else 150.0,
+            "greedy_after": accuracy, "train_s": 100.0 if method == "loglinear" else 150.0 + 50.0 * seed,
             "staleness_share": {"0": 1.0}, "prox_error": {}, "first_batch": [0.1, 40.0]}))
     learning["report"](str(tmp_path / "runs"), str(tmp_path / "figures"))
     out = capsys.readouterr().out
     # loglinear - recompute at d=2: seeds 0 and 1 give +0.1 and +0.3; loglinear - sync: seed 0 only, +0.05
     assert "d=2 loglinear - recompute +0.200 +- 0.100 (SE), 95% [-1.071, +1.471], 2 seeds" in out
     assert "d=2 loglinear - sync      +0.050 (1 seed)" in out
-    assert "d=2 training time recompute / loglinear: 1.50x (mean over 2 seeds)" in out
+    assert "d=2 training time recompute / loglinear: 1.75x (mean over 2 seeds; per seed 1.50 2.00)" in out
     assert (tmp_path / "figures" / "fig3_eval_reward.png").exists()
 
 
