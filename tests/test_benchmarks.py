@@ -68,14 +68,16 @@ def test_learning_benchmark_summary_reads_a_run_log(tmp_path):
 
 
 def test_learning_sweep_runs_and_paired_differences():
-    """The sweep's run list (paired seeds; one staleness over every seed before the next) and its paired-difference statistics."""
+    """The sweep's run list (paired seeds; one staleness over every seed before the next) and its paired-difference
+    statistics."""
     import runpy
 
     learning = runpy.run_path(str(REPO / "benchmarks" / "learning.py"))
     runs = learning["all_runs"]()
     assert len(runs) == len(set(runs)) == 3 * (1 + 2 * 3) + 3  # per seed: sync + {recompute, loglinear} x {2, 4, 8}
-    assert runs[:10] == [("sync", 0, 0), ("recompute", 8, 0), ("loglinear", 8, 0), ("sync", 0, 1), ("recompute", 8, 1),
-                         ("loglinear", 8, 1), ("sync", 0, 2), ("recompute", 8, 2), ("loglinear", 8, 2), ("metrics", 8, 0)]
+    assert runs[:10] == [("sync", 0, 0), ("recompute", 8, 0), ("loglinear", 8, 0), ("sync", 0, 1),
+                         ("recompute", 8, 1), ("loglinear", 8, 1), ("sync", 0, 2), ("recompute", 8, 2),
+                         ("loglinear", 8, 2), ("metrics", 8, 0)]
     assert runs[10:17] == [("recompute", 4, 0), ("loglinear", 4, 0), ("recompute", 4, 1), ("loglinear", 4, 1),
                            ("recompute", 4, 2), ("loglinear", 4, 2), ("metrics", 4, 0)]
     assert runs[-1] == ("metrics", 2, 0)
