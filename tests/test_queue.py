@@ -106,9 +106,10 @@ def test_bound_exact():
     assert synchronous.last_submittable(5) == 5
 
 
-def test_stale_weights_are_loaded_only_when_the_bound_or_sync_every_needs_them():
+@pytest.mark.parametrize("queue_class", [GenerationQueue, ContinuousGenerationQueue])
+def test_stale_weights_are_loaded_only_when_the_bound_or_sync_every_needs_them(queue_class):
     backend = FakeBackend()
-    queue = GenerationQueue(backend, sync_every=3)
+    queue = queue_class(backend, sync_every=3)
     try:
         queue.publish(0, weights(0))
         queue.submit(0, [[0]], min_version=0)
@@ -124,6 +125,13 @@ def test_stale_weights_are_loaded_only_when_the_bound_or_sync_every_needs_them()
         queue.submit(3, [[3]], min_version=0)  # 3 versions behind the newest: sync_every=3 loads it
         assert queue.get(3, timeout=5).batch.versions == [[5, 5]]
         assert backend.loads == [0, 2, 5]
+        for version in (6, 7, 8):  # due by sync_every, but no batch waits: a load now would be a wasted push
+            queue.publish(version, weights(version))
+        time.sleep(0.3)
+        assert backend.loads == [0, 2, 5]
+        queue.submit(4, [[4]], min_version=0)
+        assert queue.get(4, timeout=5).batch.versions == [[8, 8]]
+        assert backend.loads == [0, 2, 5, 8]
     finally:
         queue.close()
 

@@ -17,8 +17,9 @@ Results still leave in submission order. The rules that keep every token's versi
 - a version is loaded (pushed) only while no stream runs. A batch the staleness bound keeps from the held version
   (its `min_version` is newer) waits until the running streams end, or, with in-flight weight updates, stops them
   between two tokens (they keep what they received) and they resume under the new version with those tokens. A newer
-  version that is merely due (`sync_every`) is loaded when nothing streams, or, in flight, by stopping the streams;
-  otherwise new batches start with the held version, which the bound allows, rather than wait;
+  version that is merely due (`sync_every`) is loaded when a batch waits and nothing streams, or, in flight, by
+  stopping the streams; otherwise new batches start with the held version, which the bound allows, rather than wait.
+  Nothing is loaded for no batch: a version published after the run's last batch would cost a push nothing uses;
 - each stream tags its tokens with the version held when it started, which no load can change while it runs.
 The backend's `generate_until` runs in the stream threads; `load` runs in the coordinator only. Every stream thread is
 joined before the coordinator returns, so none outlives `close()`, and a stream's failure is raised by the coordinator
@@ -109,7 +110,7 @@ class ContinuousGenerationQueue(GenerationQueue):
                     self._pause.set()  # the running streams stop at their next token; then the load
                     self._wake.wait()
                     continue
-                if not running and (required or due):
+                if not running and waiting and (required or due):  # a load with no batch to use it is wasted
                     seconds = self._load_weights_for(max((b.request.min_version for b in waiting), default=0))
                     self._pause.clear()
                     for batch in batches:
