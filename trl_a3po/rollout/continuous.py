@@ -111,7 +111,7 @@ class ContinuousGenerationQueue(GenerationQueue):
                     self._wake.wait()
                     continue
                 if not running and waiting and (required or due):  # a load with no batch to use it is wasted
-                    seconds = self._load_weights_for(max((b.request.min_version for b in waiting), default=0))
+                    seconds = self._load_weights_for(max(b.request.min_version for b in waiting))
                     self._pause.clear()
                     for batch in batches:
                         batch.sync_s += seconds
