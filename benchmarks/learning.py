@@ -5,6 +5,7 @@ learns on a CPU; resumable.
     python benchmarks/learning.py --only loglinear:8:1     # one run (method:max_staleness:seed); finished ones skipped
     python benchmarks/learning.py --report                 # tables + figures from the finished runs only
     python benchmarks/learning.py --calibrate 2e-5 4e-5 1e-5   # the learning-rate calibration (--report: its table)
+    python benchmarks/learning.py --demo-recipe 0 1 2      # the demo with its recipe and this one (--report: table)
 
 The task: synthetic two-digit addition ("What is 47 + 38?"), `recipes/data/addition`, written by
 `python -m trl_a3po.data recipes/data/addition` (seed 0: 2,000 training / 200 held-out problems, no test pair in
@@ -41,6 +42,8 @@ Each run writes `benchmarks/runs/sweep/<run>/` when it is done: `trainer_state.j
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
 import json
 import math
 import os
@@ -67,8 +70,16 @@ TRAIN_FLAGS = [
     "--one_shot_prompt", "true", "--format_reward_weight", "0.5", "--format_reward_only_when_correct", "true",
     "--max_completion_length", "64", "--per_device_train_batch_size", "16", "--num_generations", "8",
     "--steps_per_generation", "2", "--gradient_accumulation_steps", "1", "--temperature", "1.0",
-    "--rollout_backend", "vllm_server", "--weight_sync_transport", "disk", "--disable_tqdm", "true",
+    "--rollout_backend", "vllm_server", "--weight_sync_transport", "disk",
 ]
+# The demo question (issue 22): does the demo (`recipes/gsm8k_cpu.yaml`: in-process generation, loglinear,
+# max_staleness 2) learn at least as fast with this sweep's recipe? Both arms generate 192 samples (24 x 8 and
+# 12 x 16), so they cost about the same; a seed's two arms run back to back on one machine.
+DEMO_ARMS = {
+    "demo": [],  # the demo as the README runs it
+    "sweep-recipe": ["--format_reward_only_when_correct", "true", "--per_device_train_batch_size", "16",
+                     "--num_generations", "8", "--max_steps", "12"],
+}
 # Two-sided 95% quantiles of Student's t by degrees of freedom (standard tables; scipy is not a dependency).
 T_975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228}
 EVAL_TOKENS = 64
@@ -120,6 +131,31 @@ def check_port_free(port: int) -> None:
 
 def train_and_evaluate(method: str, staleness: int, seed: int, args, base_model: str, results: str,
                        learning_rate: float) -> None:
+    command = [
+        os.path.join(REPO, "recipes", "gsm8k.py"), "--config", os.path.join(REPO, "recipes", "gsm8k_cpu.yaml"),
+        "--model_name_or_path", base_model, "--dataset_name", args.dataset,
+        "--max_steps", str(args.steps), "--seed", str(seed), "--vllm_server_port", str(args.port),
+        "--learning_rate", str(learning_rate), "--max_staleness", str(staleness), *TRAIN_FLAGS, *METHOD_FLAGS[method],
+    ]
+    result = run_recipe(command, method, seed, args, base_model, results, serve=True)
+    result.update(max_staleness=staleness, learning_rate=learning_rate)
+    write_result(results, result)
+
+
+def train_demo_arm(arm: str, seed: int, args, base_model: str, results: str) -> None:
+    command = [os.path.join(REPO, "recipes", "gsm8k.py"), "--config", os.path.join(REPO, "recipes", "gsm8k_cpu.yaml"),
+               "--model_name_or_path", base_model, "--dataset_name", args.dataset, "--seed", str(seed),
+               *DEMO_ARMS[arm]]
+    result = run_recipe(command, arm, seed, args, base_model, results, serve=False)
+    result["accuracy_reward_10_15min"] = accuracy_in_window(os.path.join(results, "trainer_state.json"))
+    write_result(results, result)
+
+
+def run_recipe(recipe_command: list[str], method: str, seed: int, args, base_model: str, results: str,
+               serve: bool) -> dict:
+    """`accelerate launch --cpu <recipe_command> --output_dir outputs/learning/<run>` (with a CPU vLLM server for
+    generation on args.port if `serve`), then greedy accuracy after training; copies the log into `results` and
+    returns the run's summary (written by write_result, last)."""
     from local_vllm import local_vllm_server  # tests/local_vllm.py
 
     for port in (args.port, args.port + 1):
@@ -128,17 +164,13 @@ def train_and_evaluate(method: str, staleness: int, seed: int, args, base_model:
     work = os.path.join(REPO, "outputs", "learning", name)
     shutil.rmtree(work, ignore_errors=True)  # an interrupted run starts over
     os.makedirs(work)
-    command = [
-        os.path.join(os.path.dirname(sys.executable), "accelerate"), "launch", "--cpu",
-        os.path.join(REPO, "recipes", "gsm8k.py"), "--config", os.path.join(REPO, "recipes", "gsm8k_cpu.yaml"),
-        "--model_name_or_path", base_model, "--dataset_name", args.dataset, "--output_dir", work,
-        "--max_steps", str(args.steps), "--seed", str(seed), "--vllm_server_port", str(args.port),
-        "--learning_rate", str(learning_rate), "--max_staleness", str(staleness), *TRAIN_FLAGS, *METHOD_FLAGS[method],
-    ]
+    command = [os.path.join(os.path.dirname(sys.executable), "accelerate"), "launch", "--cpu", *recipe_command,
+               "--output_dir", work, "--disable_tqdm", "true"]
     started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     print(f"[{started}] {name}: $ {' '.join(command)}", flush=True)
     start = time.perf_counter()
-    with local_vllm_server(VLLM_PYTHON, base_model, args.port, os.path.join(work, "vllm")):
+    with (local_vllm_server(VLLM_PYTHON, base_model, args.port, os.path.join(work, "vllm")) if serve
+          else contextlib.nullcontext()):
         with open(os.path.join(work, "train.log"), "w") as log:
             code = subprocess.call(command, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
     process_s = time.perf_counter() - start
@@ -150,15 +182,21 @@ def train_and_evaluate(method: str, staleness: int, seed: int, args, base_model:
     os.makedirs(results, exist_ok=True)
     for file in ("trainer_state.json", "train.log"):
         shutil.copy(os.path.join(work, file), results)
+    state = os.path.join(results, "trainer_state.json")
     with open(os.path.join(results, "greedy_eval.json"), "w") as f:  # read by python -m trl_a3po.plot
-        json.dump([{"step": 0, **before}, {"step": args.steps, **after}], f, indent=1)
-    result = summarize(method, seed, os.path.join(results, "trainer_state.json"), before, after)
-    result.update(max_staleness=staleness, learning_rate=learning_rate, started=started,
-                  process_s=round(process_s, 1), command=command[1:])
+        with open(state) as log:
+            steps = json.load(log)["global_step"]
+        json.dump([{"step": 0, **before}, {"step": steps, **after}], f, indent=1)
+    result = summarize(method, seed, state, before, after)
+    result.update(started=started, process_s=round(process_s, 1), command=command[1:])
+    return result
+
+
+def write_result(results: str, result: dict) -> None:
     with open(os.path.join(results, "result.json"), "w") as f:  # written last: marks the run finished
         json.dump(result, f, indent=1)
-    print(f"{name}: training {result['train_s']:.0f} s, greedy {before['accuracy']:.3f} -> {after['accuracy']:.3f}",
-          flush=True)
+    print(f"{os.path.basename(results)}: training {result['train_s']:.0f} s, greedy {result['greedy_before']:.3f} "
+          f"-> {result['greedy_after']:.3f}", flush=True)
 
 
 def base_accuracy(args, base_model: str) -> dict:
@@ -231,6 +269,33 @@ def demo_budget_comparison(results_dir: str, first_benchmark_dir: str) -> None:
         print("Training accuracy reward in minutes 10-15 of training (loglinear, max_staleness 2):", *rows, sep="\n")
 
 
+def demo_recipe_report(results_dir: str) -> None:
+    runs = {(r["method"], r["seed"]): r for r in load_results(results_dir)}
+    if not runs:
+        print("no finished runs yet")
+        return
+    print("The demo (recipes/gsm8k_cpu.yaml, in-process generation) with its recipe and with the sweep's, 192 samples "
+          "each;\ngreedy accuracy on the held-out problems and training accuracy reward in minutes 10-15")
+    print(f"{'arm':<14}{'seeds':>6}  {'greedy after':<18}{'per seed':<22}{'acc. reward 10-15 min':<24}train s")
+    for arm in DEMO_ARMS:
+        arm_runs = [runs[key] for key in sorted(runs) if key[0] == arm]
+        if not arm_runs:
+            continue
+        window = [r["accuracy_reward_10_15min"] for r in arm_runs if r["accuracy_reward_10_15min"] is not None]
+        print(f"{arm:<14}{len(arm_runs):>6}  {mean_std([r['greedy_after'] for r in arm_runs]):<18}"
+              f"{' '.join(format(r['greedy_after'], '.3f') for r in arm_runs):<22}"
+              f"{mean_std(window) if window else 'none logged':<24}{mean_std([r['train_s'] for r in arm_runs], 0)}")
+    seeds = sorted(seed for arm, seed in runs if arm == "sweep-recipe" and ("demo", seed) in runs)
+    if seeds:
+        diffs = [runs["sweep-recipe", s]["greedy_after"] - runs["demo", s]["greedy_after"] for s in seeds]
+        print(f"  sweep-recipe - demo, greedy after: {paired_difference(diffs)}")
+        seeds = [s for s in seeds if None not in (runs["sweep-recipe", s]["accuracy_reward_10_15min"],
+                                                  runs["demo", s]["accuracy_reward_10_15min"])]
+        diffs = [runs["sweep-recipe", s]["accuracy_reward_10_15min"] - runs["demo", s]["accuracy_reward_10_15min"]
+                 for s in seeds]
+        print(f"  sweep-recipe - demo, accuracy reward in minutes 10-15: {paired_difference(diffs)}")
+
+
 def mean_std(values: list[float], digits: int = 3) -> str:
     if len(values) == 1:
         return f"{values[0]:.{digits}f} (1 seed)"
@@ -298,6 +363,12 @@ def report(results_dir: str, figures_dir: str) -> None:
             ratios = [recompute[s]["train_s"] / loglinear[s]["train_s"] for s in seeds]
             print(f"  d={d} training time recompute / loglinear: {statistics.mean(ratios):.2f}x (mean over "
                   f"{len(seeds)} seeds; per seed " + " ".join(f"{r:.2f}" for r in ratios) + ")")
+        if recompute:
+            # within one run, so it holds across machines of different speed: what recompute spends on its proximal
+            # forward passes (loglinear's interpolation costs ~1 ms a step)
+            shares = [r["prox_s_per_step"] * r["steps"] / r["train_s"] for r in recompute.values()]
+            print(f"  d={d} recompute's proximal forward passes: {100 * statistics.mean(shares):.1f}% of its training "
+                  "time (per seed " + " ".join(f"{100 * x:.1f}%" for x in shares) + ")")
     print("First generation batch (base model; reward, mean length), per seed:")
     for seed in sorted({r["seed"] for r in results}):
         print(f"  seed {seed}: " + ", ".join(f"{r['name']} ({r['first_batch'][0]:.3f}, {r['first_batch'][1]:.1f})"
@@ -336,6 +407,10 @@ def main():
     parser.add_argument("--calibrate", nargs="*", type=float, metavar="LR",
                         help="instead of the sweep: loglinear, max_staleness 2, seed 0 at each learning rate (with "
                         "--report and no LR: the calibration's table)")
+    parser.add_argument("--demo-recipe", nargs="*", type=int, metavar="SEED",
+                        help="instead of the sweep: the demo question, both DEMO_ARMS for each seed (with --report "
+                        "and no seed: its table)")
+    parser.add_argument("--demo-results", default=os.path.join(REPO, "benchmarks", "runs", "demo_recipe"))
     parser.add_argument("--steps", type=int, default=30, help="optimizer steps per run (the same for all)")
     parser.add_argument("--learning-rate", type=float, default=LEARNING_RATE)
     parser.add_argument("--eval-limit", type=int, default=200, help="held-out problems for greedy accuracy")
@@ -348,32 +423,41 @@ def main():
     parser.add_argument("--port", type=int, default=8041, help="training server; the evaluation server uses +1")
     args = parser.parse_args()
 
-    calibrating = args.calibrate is not None
-    if calibrating and not args.calibrate and not args.report:
-        parser.error("--calibrate needs learning rates (or --report)")
+    calibrating, demo = args.calibrate is not None, args.demo_recipe is not None
+    if calibrating and demo:
+        parser.error("--calibrate and --demo-recipe are two benchmarks: run one at a time")
+    for flag, values in (("--calibrate", args.calibrate), ("--demo-recipe", args.demo_recipe)):
+        if values is not None and not values and not args.report:
+            parser.error(f"{flag} needs {'learning rates' if flag == '--calibrate' else 'seeds'} (or --report)")
+    # each run: (its results folder, what trains and evaluates it)
     if calibrating:
-        runs = [("loglinear", 2, 0, lr, os.path.join(args.calibration_results, f"lr{lr:g}")) for lr in args.calibrate]
+        runs = [(os.path.join(args.calibration_results, f"lr{lr:g}"),
+                 functools.partial(train_and_evaluate, "loglinear", 2, 0, learning_rate=lr)) for lr in args.calibrate]
+    elif demo:
+        runs = [(os.path.join(args.demo_results, f"{arm}-s{seed}"), functools.partial(train_demo_arm, arm, seed))
+                for seed in args.demo_recipe for arm in DEMO_ARMS]
     else:
-        runs = [(m, d, s, args.learning_rate, os.path.join(args.results, run_name(m, d, s))) for m, d, s in all_runs()]
-        if args.only:
-            names = {f"{m}:{d}:{s}": run for (m, d, s, *_), run in zip(all_runs(), runs)}
-            unknown = [item for item in args.only if item not in names]
-            if unknown:
-                raise SystemExit(f"--only {' '.join(unknown)}: not a run of this benchmark; runs are "
-                                 + " ".join(names))
-            runs = [names[item] for item in args.only]
+        names = {f"{m}:{d}:{s}": (os.path.join(args.results, run_name(m, d, s)),
+                                  functools.partial(train_and_evaluate, m, d, s, learning_rate=args.learning_rate))
+                 for m, d, s in all_runs()}
+        unknown = [item for item in args.only or [] if item not in names]
+        if unknown:
+            raise SystemExit(f"--only {' '.join(unknown)}: not a run of this benchmark; runs are " + " ".join(names))
+        runs = [names[item] for item in args.only] if args.only else list(names.values())
     if not args.report:
         if not os.path.exists(VLLM_PYTHON):
             raise SystemExit(f"{VLLM_PYTHON} not found: run `bash scripts/setup.sh --with-vllm` first")
         from trl_a3po import resolve_model
         base_model = resolve_model("smollm2-135m-instruct")  # a folder both the recipe and vLLM can load
-        for method, staleness, seed, learning_rate, results in runs:
+        for results, train in runs:
             if os.path.exists(os.path.join(results, "result.json")):
                 print(f"{os.path.basename(results)}: finished, skipped", flush=True)
                 continue
-            train_and_evaluate(method, staleness, seed, args, base_model, results, learning_rate)
+            train(args=args, base_model=base_model, results=results)
     if calibrating:
         calibration_report(args.calibration_results)
+    elif demo:
+        demo_recipe_report(args.demo_results)
     else:
         report(args.results, args.figures)
 

@@ -103,6 +103,7 @@ def test_learning_sweep_report_pairs_runs_by_seed(tmp_path, capsys):
         (run / "result.json").write_text(json.dumps({
             "method": method, "seed": seed, "max_staleness": d, "steps": 1, "greedy_before": 0.13,
             "greedy_after": accuracy, "train_s": 100.0 if method == "loglinear" else 150.0 + 50.0 * seed,
+            "prox_s_per_step": 30.0 if method == "recompute" else None,
             "staleness_share": {"0": 1.0}, "prox_error": {}, "first_batch": [0.1, 40.0]}))
     learning["report"](str(tmp_path / "runs"), str(tmp_path / "figures"))
     out = capsys.readouterr().out
@@ -110,7 +111,41 @@ def test_learning_sweep_report_pairs_runs_by_seed(tmp_path, capsys):
     assert "d=2 loglinear - recompute +0.200 +- 0.100 (SE), 95% [-1.071, +1.471], 2 seeds" in out
     assert "d=2 loglinear - sync      +0.050 (1 seed)" in out
     assert "d=2 training time recompute / loglinear: 1.75x (mean over 2 seeds; per seed 1.50 2.00)" in out
+    # 30 s of proximal forward in 150 s and in 200 s of training
+    assert "d=2 recompute's proximal forward passes: 17.5% of its training time (per seed 20.0% 15.0%)" in out
     assert (tmp_path / "figures" / "fig3_eval_reward.png").exists()
+
+
+def test_demo_recipe_report_pairs_the_two_arms_by_seed(tmp_path, capsys):
+    """`learning.py --demo-recipe`'s table: both arms of the demo per seed, the minutes-10-15 window read from the
+    trainer's clock, and the paired differences sweep-recipe - demo."""
+    import json
+    import runpy
+
+    learning = runpy.run_path(str(REPO / "benchmarks" / "learning.py"))
+    # accuracy reward per generation batch at trainer-clock seconds 300, 650, 800, 950: the window (600, 900] holds
+    # the middle two
+    rewards = {("demo", 0): [0.0, 0.1, 0.2, 0.9], ("sweep-recipe", 0): [0.0, 0.3, 0.5, 0.0],
+               ("demo", 1): [0.1, 0.2, 0.2, 0.2], ("sweep-recipe", 1): [0.1, 0.2, 0.4, 0.2]}
+    after = {("demo", 0): 0.30, ("sweep-recipe", 0): 0.40, ("demo", 1): 0.25, ("sweep-recipe", 1): 0.45}
+    for (arm, seed), values in rewards.items():
+        run = tmp_path / f"{arm}-s{seed}"
+        run.mkdir()
+        log = [{"step": i + 1, "a3po/wall_time_s": t, learning["ACCURACY"]: v}
+               for i, (t, v) in enumerate(zip((300.0, 650.0, 800.0, 950.0), values))]
+        (run / "trainer_state.json").write_text(json.dumps({"log_history": log}))
+        window = learning["accuracy_in_window"](str(run / "trainer_state.json"))
+        (run / "result.json").write_text(json.dumps({"method": arm, "seed": seed, "greedy_before": 0.13,
+                                                     "greedy_after": after[arm, seed], "train_s": 960.0,
+                                                     "accuracy_reward_10_15min": window}))
+    learning["demo_recipe_report"](str(tmp_path))
+    out = capsys.readouterr().out
+    # windows: demo 0.15 and 0.2, sweep-recipe 0.4 and 0.3; greedy differences +0.10 and +0.20
+    assert "sweep-recipe - demo, greedy after: +0.150 +- 0.050 (SE), 95% [-0.485, +0.785], 2 seeds" in out
+    assert "sweep-recipe - demo, accuracy reward in minutes 10-15: +0.175 +- 0.075 (SE), 95% [-0.778, +1.128], " \
+           "2 seeds" in out
+    assert [line.split()[:4] for line in out.splitlines() if line.startswith(("demo ", "sweep-recipe "))] == [
+        ["demo", "2", "0.275", "+-"], ["sweep-recipe", "2", "0.425", "+-"]]
 
 
 def test_gpu_check_runs_end_to_end_on_cpu_with_tiny_shapes():
