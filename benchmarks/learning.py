@@ -131,31 +131,24 @@ def check_port_free(port: int) -> None:
 
 def train_and_evaluate(method: str, staleness: int, seed: int, args, base_model: str, results: str,
                        learning_rate: float) -> None:
-    command = [
-        os.path.join(REPO, "recipes", "gsm8k.py"), "--config", os.path.join(REPO, "recipes", "gsm8k_cpu.yaml"),
-        "--model_name_or_path", base_model, "--dataset_name", args.dataset,
-        "--max_steps", str(args.steps), "--seed", str(seed), "--vllm_server_port", str(args.port),
-        "--learning_rate", str(learning_rate), "--max_staleness", str(staleness), *TRAIN_FLAGS, *METHOD_FLAGS[method],
-    ]
-    result = run_recipe(command, method, seed, args, base_model, results, serve=True)
+    flags = ["--max_steps", str(args.steps), "--vllm_server_port", str(args.port), "--learning_rate", str(learning_rate),
+             "--max_staleness", str(staleness), *TRAIN_FLAGS, *METHOD_FLAGS[method]]
+    result = run_recipe(flags, method, seed, args, base_model, results, serve=True)
     result.update(max_staleness=staleness, learning_rate=learning_rate)
     write_result(results, result)
 
 
 def train_demo_arm(arm: str, seed: int, args, base_model: str, results: str) -> None:
-    command = [os.path.join(REPO, "recipes", "gsm8k.py"), "--config", os.path.join(REPO, "recipes", "gsm8k_cpu.yaml"),
-               "--model_name_or_path", base_model, "--dataset_name", args.dataset, "--seed", str(seed),
-               *DEMO_ARMS[arm]]
-    result = run_recipe(command, arm, seed, args, base_model, results, serve=False)
+    result = run_recipe(DEMO_ARMS[arm], arm, seed, args, base_model, results, serve=False)
     result["accuracy_reward_10_15min"] = accuracy_in_window(os.path.join(results, "trainer_state.json"))
     write_result(results, result)
 
 
-def run_recipe(recipe_command: list[str], method: str, seed: int, args, base_model: str, results: str,
-               serve: bool) -> dict:
-    """`accelerate launch --cpu <recipe_command> --output_dir outputs/learning/<run>` (with a CPU vLLM server for
-    generation on args.port if `serve`), then greedy accuracy after training; copies the log into `results` and
-    returns the run's summary (written by write_result, last)."""
+def run_recipe(flags: list[str], method: str, seed: int, args, base_model: str, results: str, serve: bool) -> dict:
+    """`accelerate launch --cpu recipes/gsm8k.py --config recipes/gsm8k_cpu.yaml <flags>` on the base model, seed and
+    dataset, output in outputs/learning/<run> (with a CPU vLLM server for generation on args.port if `serve`), then
+    greedy accuracy after training; copies the log into `results` and returns the run's summary (written by
+    write_result, last)."""
     from local_vllm import local_vllm_server  # tests/local_vllm.py
 
     for port in (args.port, args.port + 1):
@@ -164,7 +157,9 @@ def run_recipe(recipe_command: list[str], method: str, seed: int, args, base_mod
     work = os.path.join(REPO, "outputs", "learning", name)
     shutil.rmtree(work, ignore_errors=True)  # an interrupted run starts over
     os.makedirs(work)
-    command = [os.path.join(os.path.dirname(sys.executable), "accelerate"), "launch", "--cpu", *recipe_command,
+    command = [os.path.join(os.path.dirname(sys.executable), "accelerate"), "launch", "--cpu",
+               os.path.join(REPO, "recipes", "gsm8k.py"), "--config", os.path.join(REPO, "recipes", "gsm8k_cpu.yaml"),
+               "--model_name_or_path", base_model, "--dataset_name", args.dataset, "--seed", str(seed), *flags,
                "--output_dir", work, "--disable_tqdm", "true"]
     started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     print(f"[{started}] {name}: $ {' '.join(command)}", flush=True)
@@ -182,12 +177,9 @@ def run_recipe(recipe_command: list[str], method: str, seed: int, args, base_mod
     os.makedirs(results, exist_ok=True)
     for file in ("trainer_state.json", "train.log"):
         shutil.copy(os.path.join(work, file), results)
-    state = os.path.join(results, "trainer_state.json")
+    result = summarize(method, seed, os.path.join(results, "trainer_state.json"), before, after)
     with open(os.path.join(results, "greedy_eval.json"), "w") as f:  # read by python -m trl_a3po.plot
-        with open(state) as log:
-            steps = json.load(log)["global_step"]
-        json.dump([{"step": 0, **before}, {"step": steps, **after}], f, indent=1)
-    result = summarize(method, seed, state, before, after)
+        json.dump([{"step": 0, **before}, {"step": result["steps"], **after}], f, indent=1)
     result.update(started=started, process_s=round(process_s, 1), command=command[1:])
     return result
 
@@ -427,9 +419,10 @@ def main():
     calibrating, demo = args.calibrate is not None, args.demo_recipe is not None
     if calibrating and demo:
         parser.error("--calibrate and --demo-recipe are two benchmarks: run one at a time")
-    for flag, values in (("--calibrate", args.calibrate), ("--demo-recipe", args.demo_recipe)):
+    for flag, values, what in (("--calibrate", args.calibrate, "learning rates"),
+                               ("--demo-recipe", args.demo_recipe, "seeds")):
         if values is not None and not values and not args.report:
-            parser.error(f"{flag} needs {'learning rates' if flag == '--calibrate' else 'seeds'} (or --report)")
+            parser.error(f"{flag} needs {what} (or --report)")
     # each run: (its results folder, what trains and evaluates it)
     if calibrating:
         runs = [(os.path.join(args.calibration_results, f"lr{lr:g}"),
