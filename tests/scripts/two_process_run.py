@@ -7,10 +7,11 @@ its samples' behaviour versions, and how many samples it checked against the wei
                                                                  one vLLM server for both ranks
     two_process_run.py OUT_DIR standin|standin-stagefail PORT   a stand-in server set up to fail (the run fails)
 
-`*-inflight` modes turn on in-flight weight updates, with generation slowed (20 ms, in-process continuous 60 ms, each
-time the producer asks whether a newer version is due, i.e. per token) so that versions are published mid-sequence;
-`*-continuous-inflight` also generates every admitted batch at once (continuous_generation: in-process merged into
-one `generate`, on the server as concurrent requests).
+`*-inflight` modes turn on in-flight weight updates so that versions are published mid-sequence: generation is slowed
+(20 ms each time the producer asks whether a newer version is due, i.e. per token), and in-process continuous
+generation waits for the next version instead (see `wait_for_the_next_version`); `*-continuous-inflight` also
+generates every admitted batch at once (continuous_generation: in-process merged into one `generate`, on the server
+as concurrent requests).
 
 `vllm-nccl-standin` replaces TRL's VLLMClient (the NCCL weight transfer, which needs GPUs) with a recorder, to count
 who initialises a communicator and how many pushes reach it; generation still runs on the real server.
@@ -18,6 +19,7 @@ who initialises a communicator and how many pushes reach it; generation still ru
 
 import json
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -34,12 +36,30 @@ from trl_a3po.rollout import GenerationQueue  # noqa: E402
 out_dir, mode = Path(sys.argv[1]), sys.argv[2]
 inflight = mode.endswith("-inflight")
 seen = []
-if inflight:
-    # Continuous in-process: the first batches are generated together in one `generate` and only the last is left to
-    # be caught by a new version, so its tokens are slowed more.
-    seconds_per_token = 0.06 if mode == "async-continuous-inflight" else 0.02
-    newer_version_due = GenerationQueue._newer_version_due
-    GenerationQueue._newer_version_due = lambda queue: time.sleep(seconds_per_token) or newer_version_due(queue)
+newer_version_due = GenerationQueue._newer_version_due
+
+
+def wait_for_the_next_version(queue):
+    """In-process continuous generation merges the first batches into one `generate`, and only the last batch is left
+    to be caught by a new version: a race that a slow machine's trainer once lost at 60 ms per token. Instead, a stream
+    (thread `a3po-stream-<its first batch>`) that holds only batches the trainer does not need yet (every index above
+    the newest published version: the trainer trains that version's batch and publishes the next one without them)
+    waits, at each token, until a newer version is due; so every run has versions change mid-sequence."""
+    thread = threading.current_thread().name
+    if thread.startswith("a3po-stream-"):
+        first_batch = int(thread.removeprefix("a3po-stream-"))
+        deadline = time.monotonic() + 120
+        while first_batch > queue.published_version and not newer_version_due(queue) and not queue._stop.is_set():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{thread}: no version after {queue.published_version} published in 120 s")
+            time.sleep(0.01)
+    return newer_version_due(queue)
+
+
+if mode == "async-continuous-inflight":
+    GenerationQueue._newer_version_due = wait_for_the_next_version
+elif inflight:
+    GenerationQueue._newer_version_due = lambda queue: time.sleep(0.02) or newer_version_due(queue)
 
 
 def recorded_reward(prompts, completions, **kwargs):
