@@ -94,10 +94,14 @@ def test_learning_sweep_report_pairs_runs_by_seed(tmp_path, capsys):
 
     learning = runpy.run_path(str(REPO / "benchmarks" / "learning.py"))
     after = {("loglinear", 2, 0): 0.5, ("loglinear", 2, 1): 0.6, ("recompute", 2, 0): 0.4, ("recompute", 2, 1): 0.3,
-             ("sync", 0, 0): 0.45}
+             ("sync", 0, 0): 0.45, ("loglinear", 4, 0): 0.5, ("recompute", 4, 0): 0.5}
     for (method, d, seed), accuracy in after.items():
         run = tmp_path / "runs" / learning["run_name"](method, d, seed)
         run.mkdir(parents=True)
+        # the evaluation after training: 60-80 s on one machine; d=4's recompute run had a machine 3x slower
+        eval_s = 200.0 if (method, d) == ("recompute", 4) else 60.0 + 20.0 * seed
+        (run / "greedy_eval.json").write_text(json.dumps([{"step": 0, "accuracy": 0.13, "seconds": 150.0},
+                                                          {"step": 1, "accuracy": accuracy, "seconds": eval_s}]))
         log = [{"step": 1, "step_time": 1.0, "reward": 0.1, "a3po/wall_time_s": 10.0 * (seed + 1)}]
         (run / "trainer_state.json").write_text(json.dumps({"log_history": log}))
         (run / "result.json").write_text(json.dumps({
@@ -111,6 +115,10 @@ def test_learning_sweep_report_pairs_runs_by_seed(tmp_path, capsys):
     assert "d=2 loglinear - recompute +0.200 +- 0.100 (SE), 95% [-1.071, +1.471], 2 seeds" in out
     assert "d=2 loglinear - sync      +0.050 (1 seed)" in out
     assert "d=2 training time recompute / loglinear: 1.75x (mean over 2 seeds; per seed 1.50 2.00)" in out
+    # a pair on machines of different speed gets no time ratio, and says why
+    assert "d=4 training time" not in out
+    assert ("d=4 seed 0: no time ratio, the pair ran on machines of different speed (evaluation after training 200 s "
+            "for recompute, 60 s for loglinear)") in out
     # 30 s of proximal forward in 150 s and in 200 s of training
     assert "d=2 recompute's proximal forward passes: 17.5% of its training time (per seed 20.0% 15.0%)" in out
     assert (tmp_path / "figures" / "fig3_eval_reward.png").exists()
