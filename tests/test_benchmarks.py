@@ -125,35 +125,41 @@ def test_learning_sweep_report_pairs_runs_by_seed(tmp_path, capsys):
 
 
 def test_demo_recipe_report_pairs_the_two_arms_by_seed(tmp_path, capsys):
-    """`learning.py --demo-recipe`'s table: both arms of the demo per seed, the minutes-10-15 window read from the
-    trainer's clock, and the paired differences sweep-recipe - demo."""
+    """`learning.py --demo-recipe`'s table: both arms of the demo per seed, the accuracy-reward window that ends where
+    the seed's shorter run ends (at most 15 minutes in), read from the trainer's clock, and the paired differences
+    sweep-recipe - demo."""
     import json
     import runpy
 
     learning = runpy.run_path(str(REPO / "benchmarks" / "learning.py"))
-    # accuracy reward per generation batch at trainer-clock seconds 300, 650, 800, 950: the window (600, 900] holds
-    # the middle two
+    # accuracy reward per generation batch at trainer-clock seconds 300, 650, 800, 950
     rewards = {("demo", 0): [0.0, 0.1, 0.2, 0.9], ("sweep-recipe", 0): [0.0, 0.3, 0.5, 0.0],
                ("demo", 1): [0.1, 0.2, 0.2, 0.2], ("sweep-recipe", 1): [0.1, 0.2, 0.4, 0.2]}
     after = {("demo", 0): 0.30, ("sweep-recipe", 0): 0.40, ("demo", 1): 0.25, ("sweep-recipe", 1): 0.45}
+    # seed 0's shorter run ends at 820 s: window (640, 820], the batches at 650 and 800; seed 1's runs both go past
+    # 15 minutes: window (720, 900], the batch at 800 alone
+    train_s = {("demo", 0): 960.0, ("sweep-recipe", 0): 820.0, ("demo", 1): 960.0, ("sweep-recipe", 1): 955.0}
     for (arm, seed), values in rewards.items():
         run = tmp_path / f"{arm}-s{seed}"
         run.mkdir()
         log = [{"step": i + 1, "a3po/wall_time_s": t, learning["ACCURACY"]: v}
                for i, (t, v) in enumerate(zip((300.0, 650.0, 800.0, 950.0), values))]
         (run / "trainer_state.json").write_text(json.dumps({"log_history": log}))
-        window = learning["accuracy_in_window"](str(run / "trainer_state.json"))
         (run / "result.json").write_text(json.dumps({"method": arm, "seed": seed, "greedy_before": 0.13,
-                                                     "greedy_after": after[arm, seed], "train_s": 960.0,
-                                                     "accuracy_reward_10_15min": window}))
+                                                     "greedy_after": after[arm, seed],
+                                                     "train_s": train_s[arm, seed]}))
     learning["demo_recipe_report"](str(tmp_path))
     out = capsys.readouterr().out
-    # windows: demo 0.15 and 0.2, sweep-recipe 0.4 and 0.3; greedy differences +0.10 and +0.20
+    # windows: demo 0.15 and 0.2, sweep-recipe 0.4 and 0.4: differences +0.25 and +0.20, mean 0.225, SE 0.025,
+    # t(1) 12.706; greedy differences +0.10 and +0.20
     assert "sweep-recipe - demo, greedy after: +0.150 +- 0.050 (SE), 95% [-0.485, +0.785], 2 seeds" in out
-    assert "sweep-recipe - demo, accuracy reward in minutes 10-15: +0.175 +- 0.075 (SE), 95% [-0.778, +1.128], " \
+    assert "sweep-recipe - demo, accuracy reward in the window: +0.225 +- 0.025 (SE), 95% [-0.093, +0.543], " \
            "2 seeds" in out
-    assert [line.split()[:4] for line in out.splitlines() if line.startswith(("demo ", "sweep-recipe "))] == [
-        ["demo", "2", "0.275", "+-"], ["sweep-recipe", "2", "0.425", "+-"]]
+    assert [line.split()[:6] for line in out.splitlines() if line.startswith(("demo ", "sweep-recipe "))] == [
+        ["demo", "2", "0.275", "+-", "0.035", "0.300"], ["sweep-recipe", "2", "0.425", "+-", "0.035", "0.400"]]
+    assert [line.split()[6:9] for line in out.splitlines() if line.startswith(("demo ", "sweep-recipe "))] == [
+        ["0.250", "0.175", "+-"], ["0.450", "0.400", "+-"]]
+    assert "trained past 15 minutes: demo-s0 (960 s), demo-s1 (960 s), sweep-recipe-s1 (955 s)" in out
 
 
 def test_gpu_check_runs_end_to_end_on_cpu_with_tiny_shapes():
