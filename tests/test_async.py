@@ -38,6 +38,28 @@ def slow_generation(monkeypatch, seconds_per_token=0.02):
                         lambda queue: time.sleep(seconds_per_token) or newer_version_due(queue))
 
 
+NEWER_VERSION_DUE = GenerationQueue._newer_version_due  # as defined, before any test patches it
+
+
+def wait_for_the_next_version(queue) -> bool:
+    """`GenerationQueue._newer_version_due` for continuous generation with in-flight updates, where a race decides
+    whether versions change mid-sequence: in-process, the first batches are merged into one `generate` and only the
+    last is left to be caught (a slow machine's trainer once lost at 60 ms per token); on a vLLM server every batch
+    streams at once, and a loaded machine's trainer published only after all had ended. Instead, a stream (thread
+    `a3po-stream-<its first batch>`) that holds only batches the trainer does not need yet (every index above the newest
+    published version: the trainer trains that version's batch and publishes the next one without them) waits, at each
+    token, until a newer version is due; so every run has versions change mid-sequence, on any machine."""
+    thread = threading.current_thread().name
+    if thread.startswith("a3po-stream-"):
+        first_batch = int(thread.removeprefix("a3po-stream-"))
+        deadline = time.monotonic() + 120
+        while first_batch > queue.published_version and not NEWER_VERSION_DUE(queue) and not queue._stop.is_set():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{thread}: no version after {queue.published_version} published in 120 s")
+            time.sleep(0.01)
+    return NEWER_VERSION_DUE(queue)
+
+
 def make(tmp_path, tokenizer, dataset, reward=digit_reward, peft_config=None, **kwargs):
     args = A3POConfig(output_dir=str(tmp_path), **{**COMMON, **kwargs})
     return A3POTrainer(model=make_model(tokenizer), reward_funcs=reward, args=args, train_dataset=dataset,

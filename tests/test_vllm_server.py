@@ -17,13 +17,14 @@ from test_async import (
     check_behaviour_logprobs_against_versions,
     record_trained_samples,
     slow_generation,
+    wait_for_the_next_version,
 )
 from test_accelerate import check_ranks_follow_the_synchronous_shards, launch
 from test_trainer import COMMON, logged
 from transformers import AutoModelForCausalLM, Qwen2Config, TrainerCallback
 
 from trl_a3po import A3POConfig, A3POTrainer
-from trl_a3po.rollout import ProducerError
+from trl_a3po.rollout import GenerationQueue, ProducerError
 from local_vllm import local_vllm_server
 
 from trl_a3po.rollout.vllm_server import VLLMServerBackend, VLLMServerSetupError
@@ -123,7 +124,10 @@ def test_disk_sync_makes_the_server_match_the_trainers_weights(tmp_path, vllm_se
 @pytest.mark.parametrize("inflight,continuous", [(False, False), (True, False), (False, True), (True, True)])
 def test_async_training_on_the_vllm_server_respects_the_bound(tmp_path, vllm_server, prompt_dataset, inflight,
                                                               continuous, monkeypatch):
-    if inflight:  # requests aborted mid-sequence, the version pushed, the rest resubmitted
+    # in-flight: requests aborted mid-sequence, the version pushed, the rest resubmitted
+    if inflight and continuous:
+        monkeypatch.setattr(GenerationQueue, "_newer_version_due", wait_for_the_next_version)
+    elif inflight:
         slow_generation(monkeypatch)
     streams = {"now": 0, "most": 0}
     if continuous:  # count the requests streaming at once

@@ -8,8 +8,8 @@ its samples' behaviour versions, and how many samples it checked against the wei
     two_process_run.py OUT_DIR standin|standin-stagefail PORT   a stand-in server set up to fail (the run fails)
 
 `*-inflight` modes turn on in-flight weight updates so that versions are published mid-sequence: generation is slowed
-(20 ms each time the producer asks whether a newer version is due, i.e. per token), and in-process continuous
-generation waits for the next version instead (see `wait_for_the_next_version`); `*-continuous-inflight` also
+(20 ms each time the producer asks whether a newer version is due, i.e. per token), and continuous generation
+waits for the next version instead (test_async.py's `wait_for_the_next_version`); `*-continuous-inflight` also
 generates every admitted batch at once (continuous_generation: in-process merged into one `generate`, on the server
 as concurrent requests).
 
@@ -19,7 +19,6 @@ who initialises a communicator and how many pushes reach it; generation still ru
 
 import json
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -28,7 +27,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests/ for co
 import torch  # noqa: E402
 from conftest import digit_reward, make_model, make_tokenizer  # noqa: E402
 from datasets import Dataset  # noqa: E402
-from test_async import VersionRecorder, check_behaviour_logprobs_against_versions, record_trained_samples  # noqa: E402
+from test_async import (  # noqa: E402
+    VersionRecorder,
+    check_behaviour_logprobs_against_versions,
+    record_trained_samples,
+    wait_for_the_next_version,
+)
 
 from trl_a3po import A3POConfig, A3POTrainer  # noqa: E402
 from trl_a3po.rollout import GenerationQueue  # noqa: E402
@@ -39,24 +43,7 @@ seen = []
 newer_version_due = GenerationQueue._newer_version_due
 
 
-def wait_for_the_next_version(queue):
-    """In-process continuous generation merges the first batches into one `generate`, and only the last batch is left
-    to be caught by a new version: a race that a slow machine's trainer once lost at 60 ms per token. Instead, a stream
-    (thread `a3po-stream-<its first batch>`) that holds only batches the trainer does not need yet (every index above
-    the newest published version: the trainer trains that version's batch and publishes the next one without them)
-    waits, at each token, until a newer version is due; so every run has versions change mid-sequence."""
-    thread = threading.current_thread().name
-    if thread.startswith("a3po-stream-"):
-        first_batch = int(thread.removeprefix("a3po-stream-"))
-        deadline = time.monotonic() + 120
-        while first_batch > queue.published_version and not newer_version_due(queue) and not queue._stop.is_set():
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{thread}: no version after {queue.published_version} published in 120 s")
-            time.sleep(0.01)
-    return newer_version_due(queue)
-
-
-if mode == "async-continuous-inflight":
+if mode.endswith("-continuous-inflight"):
     GenerationQueue._newer_version_due = wait_for_the_next_version
 elif inflight:
     GenerationQueue._newer_version_due = lambda queue: time.sleep(0.02) or newer_version_due(queue)
