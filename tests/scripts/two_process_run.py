@@ -28,6 +28,7 @@ import torch  # noqa: E402
 from conftest import digit_reward, make_model, make_tokenizer  # noqa: E402
 from datasets import Dataset  # noqa: E402
 from test_async import (  # noqa: E402
+    NEWER_VERSION_DUE,
     VersionRecorder,
     check_behaviour_logprobs_against_versions,
     record_trained_samples,
@@ -40,13 +41,11 @@ from trl_a3po.rollout import GenerationQueue  # noqa: E402
 out_dir, mode = Path(sys.argv[1]), sys.argv[2]
 inflight = mode.endswith("-inflight")
 seen = []
-newer_version_due = GenerationQueue._newer_version_due
-
 
 if mode.endswith("-continuous-inflight"):
     GenerationQueue._newer_version_due = wait_for_the_next_version
 elif inflight:
-    GenerationQueue._newer_version_due = lambda queue: time.sleep(0.02) or newer_version_due(queue)
+    GenerationQueue._newer_version_due = lambda queue: time.sleep(0.02) or NEWER_VERSION_DUE(queue)
 
 
 def recorded_reward(prompts, completions, **kwargs):
