@@ -371,8 +371,9 @@ def report(results_dir: str, figures_dir: str) -> None:
         if same_machine:
             # per seed too: a run that shared the machine with other work shows as an outlier here
             ratios = [recompute[s]["train_s"] / loglinear[s]["train_s"] for s in same_machine]
+            seed_count = f"{len(ratios)} seed" + ("s" if len(ratios) > 1 else "")
             print(f"  d={d} training time recompute / loglinear: {statistics.mean(ratios):.2f}x (mean over "
-                  f"{len(same_machine)} seeds; per seed " + " ".join(f"{r:.2f}" for r in ratios) + ")")
+                  f"{seed_count}; per seed " + " ".join(f"{r:.2f}" for r in ratios) + ")")
         for s in sorted(set(seeds) - set(same_machine)):
             print(f"  d={d} seed {s}: no time ratio, the pair ran on machines of different speed (evaluation after "
                   f"training {eval_s[s][0]:.0f} s for recompute, {eval_s[s][1]:.0f} s for loglinear)")
