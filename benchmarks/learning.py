@@ -350,8 +350,8 @@ def report(results_dir: str, figures_dir: str) -> None:
               f"{mean_std([r['greedy_after'] - r['greedy_before'] for r in runs]):<18}"
               f"{mean_std([r['train_s'] for r in runs], 0):<14}"
               + " ".join(f"d{k}: {v:.2f}" for k, v in sorted(shares.items(), key=lambda kv: int(kv[0]))))
-    print("Paired differences of greedy accuracy after training (same seed = same data order and first batch), "
-          "and training time:")
+    print("Paired differences of greedy accuracy after training (same seed = same data order; the "
+          "first batches, listed below, match only where the sampler did), and training time:")
     for d in STALENESS:
         loglinear = groups.get(("loglinear", d), {})
         for other in ("recompute", "sync"):
