@@ -353,14 +353,15 @@ def report(results_dir: str, figures_dir: str) -> None:
     print("Paired differences of greedy accuracy after training (same seed = same data order; the "
           "first batches, listed below, match only where the sampler did), and training time:")
     for d in STALENESS:
-        loglinear = groups.get(("loglinear", d), {})
-        for other in ("recompute", "sync"):
-            baseline = groups.get((other, 0 if other == "sync" else d), {})
-            seeds = sorted(set(loglinear) & set(baseline))
+        loglinear, recompute = groups.get(("loglinear", d), {}), groups.get(("recompute", d), {})
+        sync = groups.get(("sync", 0), {})
+        for name, runs, baseline_name, baseline in (("loglinear", loglinear, "recompute", recompute),
+                                                    ("loglinear", loglinear, "sync", sync),
+                                                    ("recompute", recompute, "sync", sync)):
+            seeds = sorted(set(runs) & set(baseline))
             if seeds:
-                diffs = [loglinear[s]["greedy_after"] - baseline[s]["greedy_after"] for s in seeds]
-                print(f"  d={d} loglinear - {other:<9} {paired_difference(diffs)}")
-        recompute = groups.get(("recompute", d), {})
+                diffs = [runs[s]["greedy_after"] - baseline[s]["greedy_after"] for s in seeds]
+                print(f"  d={d} {name} - {baseline_name:<9} {paired_difference(diffs)}")
         seeds = sorted(set(loglinear) & set(recompute))
         # A pair's time ratio is a measurement only if both runs had one machine's speed. Sessions get machines up
         # to 3x apart, so the check is the evaluation after training (the same 200 problems, each run alone):

@@ -114,6 +114,8 @@ def test_learning_sweep_report_pairs_runs_by_seed(tmp_path, capsys):
     # loglinear - recompute at d=2: seeds 0 and 1 give +0.1 and +0.3; loglinear - sync: seed 0 only, +0.05
     assert "d=2 loglinear - recompute +0.200 +- 0.100 (SE), 95% [-1.071, +1.471], 2 seeds" in out
     assert "d=2 loglinear - sync      +0.050 (1 seed)" in out
+    # recompute - sync at d=2: seed 0 only, 0.4 - 0.45
+    assert "d=2 recompute - sync      -0.050 (1 seed)" in out
     assert "d=2 training time recompute / loglinear: 1.75x (mean over 2 seeds; per seed 1.50 2.00)" in out
     # a pair on machines of different speed gets no time ratio, and says why
     assert "d=4 training time" not in out
