@@ -353,15 +353,13 @@ def report(results_dir: str, figures_dir: str) -> None:
     print("Paired differences of greedy accuracy after training (same seed = same data order; the "
           "first batches, listed below, match only where the sampler did), and training time:")
     for d in STALENESS:
-        loglinear, recompute = groups.get(("loglinear", d), {}), groups.get(("recompute", d), {})
-        sync = groups.get(("sync", 0), {})
-        for name, runs, baseline_name, baseline in (("loglinear", loglinear, "recompute", recompute),
-                                                    ("loglinear", loglinear, "sync", sync),
-                                                    ("recompute", recompute, "sync", sync)):
+        for method, other in (("loglinear", "recompute"), ("loglinear", "sync"), ("recompute", "sync")):
+            runs, baseline = groups.get((method, d), {}), groups.get((other, 0 if other == "sync" else d), {})
             seeds = sorted(set(runs) & set(baseline))
             if seeds:
                 diffs = [runs[s]["greedy_after"] - baseline[s]["greedy_after"] for s in seeds]
-                print(f"  d={d} {name} - {baseline_name:<9} {paired_difference(diffs)}")
+                print(f"  d={d} {method} - {other:<9} {paired_difference(diffs)}")
+        loglinear, recompute = groups.get(("loglinear", d), {}), groups.get(("recompute", d), {})
         seeds = sorted(set(loglinear) & set(recompute))
         # A pair's time ratio is a measurement only if both runs had one machine's speed. Sessions get machines up
         # to 3x apart, so the check is the evaluation after training (the same 200 problems, each run alone):
