@@ -178,9 +178,14 @@ def test_aggregations_match_trl_formulas():
     assert torch.isclose(aggregate_loss(per_token, mask, "grpo"), ((per_token * m).sum(-1) / m.sum(-1)).mean())
     assert torch.isclose(aggregate_loss(per_token, mask, "bnpo"), (per_token * m).sum() / m.sum())
     assert torch.isclose(aggregate_loss(per_token, mask, "dr_grpo", 8), (per_token * m).sum() / (3 * 8))
-    assert torch.isclose(aggregate_loss(per_token, mask, "dapo", num_items=20.0), (per_token * m).sum() / 20)
-    with pytest.raises(ValueError, match="unknown loss_type 'cispo'"):
+    for num_items_type in ("dapo", "cispo", "vespo"):
+        assert torch.isclose(aggregate_loss(per_token, mask, num_items_type, num_items=20.0), (per_token * m).sum() / 20)
+    assert torch.isclose(aggregate_loss(per_token, mask, "sapo"), ((per_token * m).sum(-1) / m.sum(-1)).mean())
+    assert torch.isclose(aggregate_loss(per_token, mask, "luspo"), (per_token * m).sum(-1).mean())
+    with pytest.raises(ValueError, match="loss_type 'cispo' needs num_items"):
         aggregate_loss(per_token, mask, "cispo")
+    with pytest.raises(ValueError, match="unknown loss_type 'ppo'"):
+        aggregate_loss(per_token, mask, "ppo")
 
 
 # ---------------------------------------------------------------- behaviour-weight modes and levels

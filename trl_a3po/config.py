@@ -7,9 +7,7 @@ from dataclasses import dataclass, field
 
 from trl import GRPOConfig
 
-# AGGREGATIONS: the loss types whose per-token objective is the clipped surrogate min(r*A, clip(r)*A); they differ
-# only in how tokens are aggregated, so the decoupled loss keeps TRL's aggregation for each of them.
-from .proximal import AGGREGATIONS, BEHAV_WEIGHT_LEVELS, BEHAV_WEIGHT_MODES
+from .proximal import BEHAV_WEIGHT_LEVELS, BEHAV_WEIGHT_MODES, CLIPPED_LOSS_TYPES
 
 PROX_LOGP_METHODS = ("loglinear", "recompute", "metrics")
 ROLLOUT_BACKENDS = ("inprocess", "vllm_server")
@@ -226,8 +224,8 @@ class A3POConfig(GRPOConfig):
             "waiting are merged into one `generate` (and, with inflight_weight_updates, a stopped generation's tail "
             "joins the next batch's rows). Results still reach the trainer in order. A version is loaded only while "
             "nothing generates (with inflight_weight_updates the generations are stopped between two tokens for it). "
-            "Off by default: on a long-tailed CPU-server benchmark (benchmarks/inflight.py) 1.34x faster wall but at a "
-            "higher token staleness, whose effect on learning is not measured yet; in-process on a CPU no gain (0.96x)."
+            "Off by default: it raises the token staleness, whose effect on learning is not measured yet (its speed: "
+            "benchmarks/RESULTS.md, benchmarks/inflight.py)."
         },
     )
     inflight_weight_updates: bool = field(
@@ -237,10 +235,9 @@ class A3POConfig(GRPOConfig):
             "tokens: every unfinished sequence continues from its prompt and the tokens so far, their keys and values "
             "recomputed by the new weights, and each token records the version that sampled it (its own staleness and "
             "alpha in the loss). Fewer stale tokens in long generations, at the cost of one prefill per switch. Off by "
-            "default: on a long-tailed CPU workload (benchmarks/inflight.py) it lowered the mean token staleness (by "
-            "17% on a vLLM server) but not the wall time beyond noise (1.01x on the server, 1.01-1.15x in-process); "
-            "off keeps one version per sequence. On a vLLM server the request is aborted, the version pushed, and "
-            "the unfinished sequences resubmitted with the tokens received so far."
+            "default (one version per sequence): measured, it lowered the token staleness but not the wall time "
+            "beyond noise (benchmarks/RESULTS.md, benchmarks/inflight.py). On a vLLM server the request is aborted, "
+            "the version pushed, and the unfinished sequences resubmitted with the tokens received so far."
         },
     )
 
@@ -278,39 +275,27 @@ class A3POConfig(GRPOConfig):
             return
 
         unsupported = {
-            "loss_type": (
-                self.loss_type not in AGGREGATIONS,
-                f"loss_type={self.loss_type!r} has no per-token clipped surrogate to decouple; use one of "
-                f"{AGGREGATIONS}, or use_decoupled_loss=False",
-            ),
-            "importance_sampling_level": (
-                self.importance_sampling_level != "token",
-                "the decoupled loss is per token; set importance_sampling_level='token'",
-            ),
             "vllm_importance_sampling_correction": (
                 self.vllm_importance_sampling_correction,
-                "the behaviour weight pi_prox/pi_behav replaces TRL's vLLM importance-sampling correction; set "
-                "vllm_importance_sampling_correction=False (or leave it unset)",
+                "the behaviour weight pi_prox/pi_behav is the decoupled loss's correction for the sampler (its "
+                "log-probs are the behaviour log-probs); TRL's on top would correct twice. Set "
+                "vllm_importance_sampling_correction=False (or leave it unset) and bound the weight with "
+                "behav_imp_weight_cap / _min / _mode / _level",
             ),
             "use_transformers_continuous_batching": (
                 self.use_transformers_continuous_batching,
                 "continuous batching returns no behaviour log-probs; set use_transformers_continuous_batching=False "
                 "or use_vllm=True",
             ),
-            "delta": (self.delta is not None, "use dual_clip_c instead of TRL's two-sided `delta` clip"),
-            "off_policy_mask_threshold": (
-                self.off_policy_mask_threshold is not None,
-                "the behaviour weight cap (behav_imp_weight_cap) handles off-policy tokens; unset "
-                "off_policy_mask_threshold",
+            "dual_clip_c": (
+                self.dual_clip_c is not None and self.loss_type not in CLIPPED_LOSS_TYPES,
+                f"dual clipping bounds the clipped surrogate, which loss_type={self.loss_type!r} does not have; unset "
+                f"dual_clip_c, or use one of {CLIPPED_LOSS_TYPES}",
             ),
-            "top_entropy_quantile": (
-                self.top_entropy_quantile != 1.0,
-                "entropy masking is not implemented for the decoupled loss; set top_entropy_quantile=1.0",
-            ),
-            "entropy_coef": (
-                self.entropy_coef != 0.0 or self.use_adaptive_entropy,
-                "the entropy bonus is not implemented for the decoupled loss; set entropy_coef=0.0 and "
-                "use_adaptive_entropy=False",
+            "delta": (
+                self.delta is not None and self.dual_clip_c is not None,
+                "TRL's `delta` and dual_clip_c both bound the loss of negative-advantage tokens (delta caps the ratio, "
+                "dual_clip_c the loss at c*|A|, the same bound with c = delta); set only one of them",
             ),
         }
         for name, (bad, fix) in unsupported.items():

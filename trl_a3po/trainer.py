@@ -44,7 +44,15 @@ from trl.models.utils import disable_gradient_checkpointing, unwrap_model_for_ge
 from trl.trainer.utils import get_config_model_id, nanmax, nanmin, split_tensor_dict
 
 from .config import A3POConfig
-from .proximal import PROX_APPROXIMATIONS, aggregate_loss, approximate_prox_logp, decoupled_ppo_loss, staleness_alpha
+from .proximal import (
+    CLIPPED_LOSS_TYPES,
+    NUM_ITEMS_LOSS_TYPES,
+    PROX_APPROXIMATIONS,
+    aggregate_loss,
+    approximate_prox_logp,
+    decoupled_ppo_loss,
+    staleness_alpha,
+)
 from .rollout import (
     ContinuousGenerationQueue,
     GenerationQueue,
@@ -293,7 +301,7 @@ class A3POTrainer(GRPOTrainer):
         self._prompt_plans = None  # per process served: iterator over its future generation batches, sampler order
         self._submitted = 0  # generation batches handed to the producer so far
         self._sends_adapter = False  # the vLLM server gets the LoRA adapter alone (lora_weight_sync)
-        self._pending_metrics: list[tuple[str, str, torch.Tensor]] = []  # read once per optimizer step
+        self._deferred_metrics: list[tuple[str, str, torch.Tensor]] = []  # read once per optimizer step
         if self.args.async_generation:
             # The authoritative check, now that Accelerate knows the distributed setup (the early one reads env vars).
             if (self._dist.is_zero3 or self._dist.is_fsdp) and is_peft_model(self.accelerator.unwrap_model(self.model)):
@@ -658,6 +666,8 @@ class A3POTrainer(GRPOTrainer):
         return loss
 
     def _decoupled_loss(self, model, inputs):
+        """TRL's `_compute_loss` with the proximal policy as the anchor and the behaviour weight where TRL puts its
+        sampler correction: each loss type's surrogate, TRL's masks, KL, entropy bonus and aggregation."""
         mode = "train" if self.model.training else "eval"
         prompt_ids, prompt_mask = inputs["prompt_ids"], inputs["prompt_mask"]
         completion_ids, completion_mask = inputs["completion_ids"], inputs["completion_mask"]
@@ -684,6 +694,26 @@ class A3POTrainer(GRPOTrainer):
             with self._prox_timer.measure():
                 prox_logp = approximate_prox_logp("loglinear", behav_logp, logp, staleness)
 
+        # TRL's two masks, from TRL's own helpers: the high-entropy token mask, and the off-policy sequence mask from
+        # the sampler's log-probs (the behaviour log-probs are the sampler's).
+        entropy_mask = (self.get_high_entropy_mask(entropies, mask, 1 - self.top_entropy_quantile)
+                        if self.top_entropy_quantile < 1.0 else None)
+        keep = entropy_mask
+        if self.off_policy_mask_threshold is not None:
+            advantages = inputs["advantages"]
+            off_policy_mask = self.get_off_policy_mask(
+                advantages=advantages.unsqueeze(1) if advantages.dim() == 1 else advantages,
+                per_token_logps=logp,
+                sampling_per_token_logps=behav_logp,
+                mask=mask,
+                off_policy_threshold=self.off_policy_mask_threshold,
+            )
+            keep = off_policy_mask if keep is None else keep * off_policy_mask
+        gamma_weights = None
+        if self.loss_type == "vespo":
+            gamma_weights = functools.partial(
+                self.get_gamma_weights, k_pos=self.args.vespo_k_pos, lambda_pos=self.args.vespo_lambda_pos,
+                k_neg=self.args.vespo_k_neg, lambda_neg=self.args.vespo_lambda_neg)
         per_token_loss, stats = decoupled_ppo_loss(
             logp,
             prox_logp,
@@ -697,25 +727,40 @@ class A3POTrainer(GRPOTrainer):
             behav_imp_weight_mode=self.args.behav_imp_weight_mode,
             behav_imp_weight_min=self.args.behav_imp_weight_min,
             behav_imp_weight_level=self.args.behav_imp_weight_level,
+            loss_type=self.loss_type,
+            importance_sampling_level=self.importance_sampling_level,
+            delta=self.args.delta,
+            sapo_temperatures=(self.args.sapo_temperature_pos, self.args.sapo_temperature_neg),
+            gamma_weights=gamma_weights,
+            keep=keep,
         )
         if self.beta != 0.0:
             ref_logp = inputs["ref_per_token_logps"]
             per_token_kl = torch.exp(ref_logp - logp) - (ref_logp - logp) - 1
             if self.args.use_bias_correction_kl:
-                # The samples come from the behaviour policy: pi_theta / pi_behav makes the KL estimate unbiased.
-                per_token_kl = per_token_kl * torch.exp(logp - behav_logp)
+                # The samples come from the behaviour policy: pi_theta / pi_behav (at the importance-sampling level,
+                # as TRL's correction) makes the KL estimate unbiased.
+                log_ratio = logp - behav_logp
+                if self.importance_sampling_level == "sequence":
+                    log_ratio = (log_ratio * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1)
+                per_token_kl = per_token_kl * torch.exp(log_ratio)
             per_token_loss = per_token_loss + self.beta * per_token_kl
 
         accumulation = self.current_gradient_accumulation_steps if mode == "train" else 1.0
-        if self.loss_type == "dapo":
+        if self.loss_type in NUM_ITEMS_LOSS_TYPES:
             # `num_items_in_batch` counts the generation batch's tokens on all processes: rescale to this process's
             # share of one accumulation window, as GRPOTrainer does.
             num_items = inputs["num_items_in_batch"].clamp(min=1.0) / self.accelerator.num_processes
             if mode == "train":
                 num_items = num_items * accumulation / self.args.steps_per_generation
-            loss = aggregate_loss(per_token_loss, mask, "dapo", num_items=num_items)
+            loss = aggregate_loss(per_token_loss, mask, self.loss_type, num_items=num_items)
         else:
             loss = aggregate_loss(per_token_loss, mask, self.loss_type, self.max_completion_length) / accumulation
+        if self._entropy_bonus_enabled:
+            self._defer_metric(mode, "policy_loss", self.accelerator.gather(
+                loss.detach() * (1.0 if self.loss_type in NUM_ITEMS_LOSS_TYPES else accumulation)).nanmean())
+            effective_mask = mask if entropy_mask is None else mask * entropy_mask
+            loss = loss - self._entropy_bonus(entropies, effective_mask, mode, accumulation)
         if self.aux_loss_enabled:
             loss = loss + self.router_aux_loss_coef * aux_loss / accumulation
             self._defer_metric(mode, "aux_loss", self.accelerator.gather(aux_loss.detach()).mean())
@@ -724,21 +769,48 @@ class A3POTrainer(GRPOTrainer):
         self._log_loss_metrics(mode, stats, staleness, mask, entropies, logp, behav_logp, prox_logp, inputs)
         return loss
 
+    def _entropy_bonus(self, entropies, effective_mask, mode: str, accumulation: float) -> torch.Tensor:
+        """TRL's entropy bonus, coefficient times the mean entropy of the tokens trained (scaled for accumulation
+        only), with TRL's adaptive controller (its own state: `entropy_coef`, `_last_world_entropy`,
+        `_entropy_window_stats`). TRL computes it inline in its `_compute_loss`, so there is no helper to call; the
+        rule is the same, and the staleness-0 tests compare the two, coefficient updates included."""
+        entropy = (entropies * effective_mask).sum() / effective_mask.sum().clamp(min=1.0) / accumulation
+        if self.use_adaptive_entropy:  # the coefficient and gate of the previous optimizer step, for every micro-batch
+            coef = self.entropy_coef if self._last_world_entropy <= self.args.entropy_target else 0.0
+        else:
+            coef = self.entropy_coef
+        if self.use_adaptive_entropy and mode == "train":
+            window = torch.stack([(entropies * effective_mask).sum(), effective_mask.sum()]).detach()
+            self._entropy_window_stats = window if self._entropy_window_stats is None else (
+                self._entropy_window_stats + window)
+            if self.accelerator.sync_gradients:  # the window's global mean entropy moves the next step's coefficient
+                totals = self.accelerator.reduce(self._entropy_window_stats, reduction="sum")
+                world_entropy = (totals[0] / totals[1].clamp(min=1.0)).item()
+                step = self.args.entropy_coef_delta
+                if world_entropy <= self.args.entropy_target:
+                    self.entropy_coef = min(self.entropy_coef + step, self.args.entropy_coef_max)
+                else:
+                    self.entropy_coef = max(self.entropy_coef - step, self.args.entropy_coef_min)
+                self._last_world_entropy, self._entropy_window_stats = world_entropy, None
+        if mode == "train" and self.accelerator.sync_gradients:
+            self._metrics[mode]["entropy_coef"].append(self.entropy_coef)
+        return coef * entropy
+
     # ------------------------------------------------------------------ metrics
 
     def _defer_metric(self, mode: str, key: str, value: torch.Tensor) -> None:
         """Keep a metric on the device; `_flush_metrics` reads them all at once. Reading each with `.item()` would
         synchronise the device several times per micro-batch (the hot path the proximal approximation frees)."""
-        self._pending_metrics.append((mode, key, value.detach().float().reshape(())))
+        self._deferred_metrics.append((mode, key, value.detach().float().reshape(())))
 
     def _flush_metrics(self) -> None:
         """One device-to-host copy for every metric deferred since the last flush (once per optimizer step)."""
-        if not self._pending_metrics:
+        if not self._deferred_metrics:
             return
-        values = torch.stack([value for _, _, value in self._pending_metrics]).tolist()
-        for (mode, key, _), value in zip(self._pending_metrics, values):
+        values = torch.stack([value for _, _, value in self._deferred_metrics]).tolist()
+        for (mode, key, _), value in zip(self._deferred_metrics, values):
             self._metrics[mode][key].append(value)
-        self._pending_metrics = []
+        self._deferred_metrics = []
 
     def _global_masked_mean(self, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         mask = mask.to(values.dtype)
@@ -758,61 +830,53 @@ class A3POTrainer(GRPOTrainer):
         newest = staleness.masked_fill(~in_mask, torch.iinfo(staleness.dtype).max).min(-1).values
         oldest = staleness.masked_fill(~in_mask, -1).max(-1).values
         mixed = ((newest != oldest) & in_mask.any(-1)).sum().float()
-        sums = reduce(
-            torch.cat([torch.stack(
-                [
-                    stats["num_tokens"],
-                    stats["behav_imp_weight_sum"],
-                    stats["behav_imp_weight_count"],
-                    stats["capped_sum"],
-                    stats["clip_low_sum"],
-                    stats["clip_high_sum"],
-                    stats["dual_clip_sum"],
-                    stats["below_min_sum"],
-                    stats["num_seqs"],
-                    stats["seq_capped_sum"],
-                    stats["seq_below_min_sum"],
-                    (staleness * in_mask).sum().float(),
-                    (alpha * in_mask).sum(),
-                    mixed,
-                ]
-            ), tokens_at]),
-            reduction="sum",
-        )
-        (tokens, weight_sum, weight_count, capped, clip_low, clip_high, dual, below, seqs, seq_capped, seq_below,
-         staleness_sum, alpha_sum, mixed) = sums[:14]
-        tokens_at = sums[14:]
-        tokens, seqs = tokens.clamp(min=1.0), seqs.clamp(min=1.0)
+        # Every count summed over processes in one reduction, keyed by name.
+        counts = {key: value for key, value in stats.items() if not key.endswith(("_min", "_max"))}
+        counts.update(staleness_sum=(staleness * in_mask).sum().float(), alpha_sum=(alpha * in_mask).sum(),
+                      mixed=mixed)
+        names = sorted(counts)
+        reduced = reduce(torch.cat([torch.stack([counts[name] for name in names]), tokens_at]), reduction="sum")
+        total = dict(zip(names, reduced[: len(names)]))
+        tokens_at = reduced[len(names):]
+        tokens, seqs = total["num_tokens"].clamp(min=1.0), total["num_seqs"].clamp(min=1.0)
+        units = total["ratio_units"].clamp(min=1.0)
         extremes = self.accelerator.gather(
             torch.stack([stats["behav_imp_weight_min"], stats["ratio_min"]]).unsqueeze(0)
         )
         maxima = self.accelerator.gather(torch.stack([stats["behav_imp_weight_max"], stats["ratio_max"]]).unsqueeze(0))
         staleness_max = self.accelerator.gather(staleness.masked_fill(~in_mask, 0).max().reshape(1)).max()
 
-        defer("a3po/staleness/mean", staleness_sum / tokens)
+        defer("a3po/staleness/mean", total["staleness_sum"] / tokens)
         defer("a3po/staleness/max", staleness_max)
         if mode == "train":
             # Histogram inputs: the share of trained tokens at each staleness 0..max_staleness.
             for d, share in enumerate(tokens_at / tokens):
                 defer(f"a3po/staleness/frac_d{d}", share)
-            defer("a3po/gen/mixed_version_frac", mixed / seqs)
-        defer("a3po/alpha/mean", alpha_sum / tokens)
-        defer("a3po/behav_imp_weight/mean", weight_sum / weight_count.clamp(min=1.0))
+            defer("a3po/gen/mixed_version_frac", total["mixed"] / seqs)
+        defer("a3po/alpha/mean", total["alpha_sum"] / tokens)
+        defer("a3po/behav_imp_weight/mean", total["behav_imp_weight_sum"] / total["behav_imp_weight_count"].clamp(
+            min=1.0))
         defer("a3po/behav_imp_weight/min", nanmin(extremes[:, 0]))
         defer("a3po/behav_imp_weight/max", nanmax(maxima[:, 0]))
         # Shares of tokens and of sequences whose behaviour weight was outside the bounds (masked or truncated, as
         # behav_imp_weight_mode says; at sequence level a sequence's tokens share its fate).
-        defer("a3po/capped_frac", capped / tokens)
-        defer("a3po/below_min_frac", below / tokens)
-        defer("a3po/seq_capped_frac", seq_capped / seqs)
-        defer("a3po/seq_below_min_frac", seq_below / seqs)
+        defer("a3po/capped_frac", total["capped_sum"] / tokens)
+        defer("a3po/below_min_frac", total["below_min_sum"] / tokens)
+        defer("a3po/seq_capped_frac", total["seq_capped_sum"] / seqs)
+        defer("a3po/seq_below_min_frac", total["seq_below_min_sum"] / seqs)
         defer("a3po/ratio/min", nanmin(extremes[:, 1]))
         defer("a3po/ratio/max", nanmax(maxima[:, 1]))
-        defer("a3po/dual_clip_frac", dual / tokens)
-        # GRPOTrainer's names, so TRL dashboards and the paper's "clipped tokens" figure read them unchanged.
-        defer("clip_ratio/low_mean", clip_low / tokens)
-        defer("clip_ratio/high_mean", clip_high / tokens)
-        defer("clip_ratio/region_mean", (clip_low + clip_high) / tokens)
+        defer("a3po/dual_clip_frac", total["dual_clip_sum"] / tokens)
+        # GRPOTrainer's names and denominators (tokens, or sequences at sequence level), so TRL dashboards and the
+        # paper's "clipped tokens" figure read them unchanged.
+        if self.loss_type in CLIPPED_LOSS_TYPES:
+            defer("clip_ratio/low_mean", total["clip_low_sum"] / units)
+            defer("clip_ratio/high_mean", total["clip_high_sum"] / units)
+            defer("clip_ratio/region_mean", (total["clip_low_sum"] + total["clip_high_sum"]) / units)
+        elif self.loss_type == "cispo":
+            defer("cispo_clip_ratio", total["clip_high_sum"] / units)
+        elif self.loss_type == "vespo":
+            defer("vespo/phi_seq_mean", total["vespo_phi_sum"] / total["num_rows"].clamp(min=1.0))
         defer("entropy", self._global_masked_mean(entropies.detach(), mask))
 
         if mode == "train" and self.args.prox_logp_method == "metrics":
