@@ -6,9 +6,11 @@ import threading
 import pytest
 import torch
 from conftest import digit_reward, make_model
+from transformers import GenerationConfig, Qwen2ForCausalLM
 from trl import GRPOConfig, GRPOTrainer
 
 from trl_a3po import A3POConfig, A3POTrainer
+from trl_a3po.rollout import generate_with_behavior_logprobs
 
 COMMON = dict(
     per_device_train_batch_size=4,
@@ -443,3 +445,79 @@ def test_metrics_are_read_from_the_device_once_per_optimizer_step(tmp_path, toke
     trainer.train()
     assert reads == {"accumulating": 0, "last": 4}  # one read per optimizer step (4 steps x 2 micro-batches)
     assert len(logged(trainer, "entropy")) == 4 and len(logged(trainer, "clip_ratio/region_mean")) == 4
+
+
+@pytest.mark.parametrize("decoupled", [True, False])
+def test_a_reward_function_logging_a_metric_trains(tmp_path, tokenizer, prompt_dataset, decoupled):
+    # TRL 1.16 hands reward functions `log_metric`; its values land in the logs under their own name.
+    logged_values = []
+
+    def reward_with_metric(completions, log_metric, **kwargs):
+        rewards = digit_reward(completions)
+        log_metric("digit_share_max", max(rewards))
+        logged_values.append(max(rewards))
+        return rewards
+
+    args = A3POConfig(output_dir=str(tmp_path), **{**COMMON, "max_steps": 2, "use_decoupled_loss": decoupled})
+    trainer = A3POTrainer(model=make_model(tokenizer), reward_funcs=reward_with_metric, args=args,
+                          train_dataset=prompt_dataset, processing_class=tokenizer)
+    trainer.train()
+    assert logged(trainer, "digit_share_max") == pytest.approx(logged_values) and len(logged_values) == 2
+
+
+@pytest.mark.parametrize("kwargs,key", [({"num_beams": 2}, "num_beams"), ({"do_sample": False}, "do_sample"),
+                                        ({"num_return_sequences": 2}, "num_return_sequences"),
+                                        ({"penalty_alpha": 0.6, "top_k": 4}, "penalty_alpha")])
+def test_generation_kwargs_that_do_not_sample_one_completion_are_refused_by_name(tmp_path, kwargs, key):
+    with pytest.raises(ValueError, match=rf"A3POConfig.generation_kwargs\['{key}'\]"):
+        A3POConfig(output_dir=str(tmp_path), **{**COMMON, "generation_kwargs": kwargs})
+    # GRPOTrainer's own loss and generation keep them
+    A3POConfig(output_dir=str(tmp_path), **{**COMMON, "generation_kwargs": kwargs, "use_decoupled_loss": False})
+
+
+def test_other_generation_kwargs_reach_the_producer_and_its_logprobs(tmp_path, tokenizer, prompt_dataset):
+    # A processor TRL has no field for: generated ahead with it, and the behaviour log-probs are still those of the
+    # distribution sampled from (a banned token has log-prob -inf there, so none is ever sampled).
+    banned = tokenizer.convert_tokens_to_ids("<|user|>")
+    trainer = make_trainer(tmp_path, tokenizer, prompt_dataset, max_steps=4,
+                           generation_kwargs={"suppress_tokens": [banned]})
+    batches = []
+    original = trainer._generate_and_score_completions
+    trainer._generate_and_score_completions = lambda inputs: batches.append(original(inputs)) or batches[-1]
+    trainer.train()
+    assert batches and all(banned not in b["completion_ids"][b["completion_mask"].bool()].tolist() for b in batches)
+    assert max(logged(trainer, "a3po/staleness/max")) >= 1
+
+
+class TensorGenerateModel(Qwen2ForCausalLM):
+    """A custom model whose `generate` returns the sequences alone, as a plain tensor."""
+
+    def generate(self, *args, **kwargs):
+        out = super().generate(*args, **kwargs)
+        return out if isinstance(out, torch.Tensor) else out.sequences
+
+
+def test_a_plain_tensor_generate_gets_the_logprobs_of_the_distribution_it_sampled(tokenizer):
+    model = make_model(tokenizer)
+    plain = TensorGenerateModel(model.config)
+    plain.load_state_dict(model.state_dict())
+    plain.generation_config = model.generation_config
+    config = GenerationConfig(max_new_tokens=8, do_sample=True, temperature=0.7, top_k=20, top_p=0.9,
+                              repetition_penalty=1.2, pad_token_id=tokenizer.pad_token_id)
+    prompts = [tokenizer("Question 1: what is")["input_ids"], tokenizer("Natalia sold")["input_ids"]]
+    results = []
+    for m in (model, plain):
+        torch.manual_seed(3)
+        results.append(generate_with_behavior_logprobs(m.eval(), prompts, config, tokenizer.pad_token_id,
+                                                       [tokenizer.eos_token_id]))
+    (ids, logprobs), (plain_ids, plain_logprobs) = results
+    assert plain_ids == ids and sum(map(len, ids)) > 8
+    for row, plain_row in zip(logprobs, plain_logprobs):
+        assert plain_row == pytest.approx(row, abs=1e-5)
+
+
+def test_a_plain_tensor_generate_trains_asynchronously(tmp_path, tokenizer, prompt_dataset):
+    model = TensorGenerateModel(make_model(tokenizer).config)
+    trainer = make_trainer(tmp_path, tokenizer, prompt_dataset, model=model, max_steps=4)
+    trainer.train()
+    assert max(logged(trainer, "a3po/staleness/max")) >= 1

@@ -271,6 +271,8 @@ class A3POConfig(GRPOConfig):
                 "on an optimizer step (the end of a policy version); e.g. set steps_per_generation to a multiple of "
                 "gradient_accumulation_steps."
             )
+        if self.use_decoupled_loss or self.async_generation:
+            self._refuse_non_sampling_generation_kwargs()
         if not self.use_decoupled_loss:
             return
 
@@ -301,6 +303,32 @@ class A3POConfig(GRPOConfig):
         for name, (bad, fix) in unsupported.items():
             if bad:
                 raise ValueError(f"A3POConfig.{name}: {fix}.")
+
+    def _refuse_non_sampling_generation_kwargs(self):
+        """generation_kwargs that make the generator return something else than one sampled completion per prompt
+        row, named before any model work (the behaviour log-probs and the producer's batch need exactly that)."""
+        kwargs = self.generation_kwargs or {}
+        not_sampled = ("selects tokens instead of sampling them: no distribution drew them, so their behaviour "
+                       "log-probs (and the behaviour weight pi_prox/pi_behav) have no meaning")
+        more_rows = ("returns several completions per prompt row; GRPO repeats each prompt num_generations times "
+                     "already: set num_generations instead")
+        refused = {
+            "num_beams": (lambda v: v not in (None, 1), f"beam search {not_sampled}"),
+            "num_beam_groups": (lambda v: v not in (None, 1), f"group beam search {not_sampled}"),
+            "use_beam_search": (bool, f"beam search {not_sampled}"),
+            "penalty_alpha": (lambda v: v not in (None, 0), f"contrastive search {not_sampled}"),
+            "do_sample": (lambda v: v is False, f"greedy decoding {not_sampled}"),
+            "num_return_sequences": (lambda v: v not in (None, 1), more_rows),
+            "n": (lambda v: v not in (None, 1), more_rows),
+            "best_of": (lambda v: v not in (None, 1), more_rows),
+        }
+        for key, (bad, reason) in refused.items():
+            if key in kwargs and bad(kwargs[key]):
+                raise ValueError(
+                    f"A3POConfig.generation_kwargs[{key!r}]={kwargs[key]!r}: {reason}. Remove it from "
+                    "generation_kwargs, or set use_decoupled_loss=False and async_generation=False (GRPOTrainer's own "
+                    "loss and generation)."
+                )
 
     def _validate_behaviour_weight(self):
         if self.behav_imp_weight_mode not in BEHAV_WEIGHT_MODES:

@@ -79,11 +79,15 @@ def generate_with_behavior_logprobs(
         stopping_criteria=StoppingCriteriaList([_StopWhen(stop, interrupt, width, budgets, eos_token_ids)]),
         synced_gpus=synced_gpus,
     )
-    completion = out.sequences[:, width:]
-    num_steps = min(len(out.scores), completion.size(1))
+    if isinstance(out, torch.Tensor):  # a `generate` that ignores return_dict_in_generate (custom models, wrappers)
+        sequences, scores = out, _rescore(model, out, attention_mask.to(device), generation_config)
+    else:
+        sequences, scores = out.sequences, out.scores
+    completion = sequences[:, width:]
+    num_steps = min(len(scores), completion.size(1))
     token_logprobs = torch.stack(
         [
-            torch.log_softmax(out.scores[t].float(), dim=-1).gather(-1, completion[:, t : t + 1]).squeeze(-1)
+            torch.log_softmax(scores[t].float(), dim=-1).gather(-1, completion[:, t : t + 1]).squeeze(-1)
             for t in range(num_steps)
         ],
         dim=1,
@@ -98,6 +102,23 @@ def generate_with_behavior_logprobs(
         completion_ids.append(completion[row, :length].tolist())
         logprobs.append(token_logprobs[row, :length].tolist())
     return completion_ids, logprobs
+
+
+def _rescore(model: PreTrainedModel, sequences: torch.Tensor, prompt_mask: torch.Tensor,
+             generation_config: GenerationConfig) -> list[torch.Tensor]:
+    """The processed scores `generate` sampled each completion token from, for a `generate` that returned the
+    sequences alone: one forward of the same weights over them (positions as `generate` counts them past the left
+    padding), then the logits processors `generate` itself builds from this config (transformers' own
+    `_get_logits_processor`, so temperature, top-k/p, min-p, penalties and every other processor are the same)."""
+    width = prompt_mask.size(1)
+    attention_mask = torch.cat([prompt_mask, torch.ones_like(sequences[:, width:])], dim=1)
+    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+    logits = model(input_ids=sequences, attention_mask=attention_mask, position_ids=position_ids).logits
+    logits = logits[:, width - 1 : -1].float()
+    model._prepare_special_tokens(generation_config, kwargs_has_attention_mask=True, device=sequences.device)
+    processors = model._get_logits_processor(generation_config, input_ids_seq_length=width,
+                                             device=sequences.device)
+    return [processors(sequences[:, : width + t], logits[:, t]) for t in range(logits.size(1))]
 
 
 class InProcessBackend:
