@@ -143,3 +143,27 @@ def test_without_config_the_recipe_takes_the_yaml_for_the_hardware(monkeypatch, 
     assert script.one_shot_prompt and script.format_reward_weight == 0.5
     assert (args.max_staleness, args.max_completion_length, args.learning_rate) == (2, 64, 2e-5)
     assert args.use_cpu and not args.bf16 and args.async_generation and args.prox_logp_method == "loglinear"
+
+
+@pytest.mark.parametrize("script,expected", [("gsm8k.py", "--prox_logp_method"), ("eval_gsm8k.py", "--vllm-url")])
+def test_help_prints(script, expected):
+    # argparse formats help texts with %: a bare % in a field's help crashed `--help`
+    result = subprocess.run([sys.executable, str(REPO / "recipes" / script), "--help"], env=ENV, capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert expected in result.stdout
+
+
+def test_config_help_texts_quote_no_measurements():
+    # Figures go stale in help texts; they belong in benchmarks/RESULTS.md.
+    import re
+    from dataclasses import fields
+
+    from trl import GRPOConfig
+
+    from trl_a3po import A3POConfig
+
+    own = {f.name for f in fields(A3POConfig)} - {f.name for f in fields(GRPOConfig)}
+    for f in fields(A3POConfig):
+        if f.name in own:
+            assert not re.search(r"\d(\.\d+)?x\b|\d%", f.metadata["help"]), f.name
