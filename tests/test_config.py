@@ -37,6 +37,7 @@ def test_every_field_has_help():
         (dict(loss_type="cispo", dual_clip_c=3.0), r"A3POConfig.dual_clip_c: .*loss_type='cispo' does not have"),
         (dict(vllm_importance_sampling_correction=True), r"A3POConfig.vllm_importance_sampling_correction"),
         (dict(delta=2.0, dual_clip_c=3.0), r"A3POConfig.delta: .*set only one of them"),
+        (dict(vllm_structured_outputs_regex=r"\d+"), r"vllm_structured_outputs_regex constrains TRL's own vLLM"),
         (dict(behav_imp_weight_mode="clip"), r"behav_imp_weight_mode='clip' is not supported"),
         (dict(behav_imp_weight_level="batch"), r"behav_imp_weight_level='batch' is not supported"),
         (dict(behav_imp_weight_min=1.0), r"behav_imp_weight_min=1.0 must be in \(0, 1\)"),

@@ -38,3 +38,21 @@ def test_every_server_command_carries_what_the_start_up_probe_checks():
             assert flag in command, (flag, command)
         if "vllm serve " in command:  # the GPU commands: NCCL weight transfer
             assert NCCL_FLAG.strip() in command, command
+
+
+def test_grpo_compatibility_table_names_every_grpoconfig_field_once():
+    from dataclasses import fields
+
+    from transformers import TrainingArguments
+    from trl import GRPOConfig
+
+    readme = (REPO / "README.md").read_text()
+    section = readme.split("## GRPO compatibility", 1)[1].split("\n## ", 1)[0]
+    named = []
+    for row in section.splitlines():
+        if row.startswith("| `"):
+            first_cell = row.split("|")[1]
+            named += re.findall(r"`([a-z0-9_]+)`", first_cell)
+    grpo_fields = [f.name for f in fields(GRPOConfig) if f.name not in {f.name for f in fields(TrainingArguments)}]
+    assert sorted(named) == sorted(set(named)), "a field named twice"
+    assert set(named) == set(grpo_fields), (set(grpo_fields) - set(named), set(named) - set(grpo_fields))

@@ -11,7 +11,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import digit_reward, free_port, make_tokenizer, producer_threads, require_deepspeed
+from conftest import (
+    digit_reward,
+    free_port,
+    generate_two_versions_ahead,
+    make_tokenizer,
+    producer_threads,
+    require_deepspeed,
+)
 from test_async import (
     VersionRecorder,
     check_behaviour_logprobs_against_versions,
@@ -408,3 +415,20 @@ def test_a_server_restarted_mid_run_never_trains_a_mislabelled_sample(tmp_path, 
     else:
         assert f"127.0.0.1:{port}" in failure
         assert "went away" in failure or "holds weights labelled" in failure, failure
+
+
+@pytest.mark.parametrize("case", [dict(loss_type="grpo", importance_sampling_level="sequence"),  # GSPO
+                                  dict(loss_type="cispo")], ids=["gspo", "cispo"])
+def test_gspo_and_cispo_train_asynchronously_on_the_vllm_server(tmp_path, vllm_server, prompt_dataset, case):
+    trainer = make_trainer(tmp_path, vllm_server, prompt_dataset, max_steps=8, weight_sync_transport="disk",
+                           learning_rate=1e-2, **case)
+    generate_two_versions_ahead(trainer)
+    versions = VersionRecorder(trainer)
+    trainer.add_callback(versions)
+    samples = record_trained_samples(trainer)
+    trainer.train()
+    assert logged(trainer, "a3po/staleness/max") == [0, 1] + [2] * 6
+    assert check_behaviour_logprobs_against_versions(trainer, versions, samples, atol=1e-3) == 8 * 4
+    clip_key = "cispo_clip_ratio" if case["loss_type"] == "cispo" else "clip_ratio/region_mean"
+    assert len(logged(trainer, clip_key)) == 8
+    assert producer_threads() == []
