@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import digit_reward, free_port, make_model, producer_threads
+from conftest import digit_reward, free_port, generate_two_versions_ahead, make_model, producer_threads
 from transformers import TrainerCallback
 from test_trainer import COMMON, logged
 
@@ -184,17 +184,21 @@ def record_trained_samples(trainer, keys=("prompt_ids", "prompt_mask", "completi
     return samples
 
 
-def check_behaviour_logprobs_against_versions(trainer, versions, samples, atol):
+def check_behaviour_logprobs_against_versions(trainer, versions, samples, atol, temperature=None):
     """For every trained sample: its behaviour log-probs equal those the weights of its recorded behaviour version
-    give it (a forward of those weights after training). Returns the number of samples checked."""
+    give it (a forward of those weights after training, at `temperature`: default the learner's). Returns the number
+    of samples checked."""
     replay = trainer.model  # TRL's patched forward; training is over, so it can carry each version's weights
     logps = trainer._get_per_token_logps_and_entropies
-    if trainer._dist.is_zero3:  # partitioned parameters: replay on a whole, plain copy of the architecture instead
+    # Partitioned parameters, or another temperature than the one TRL's patched forward bakes in: replay on a whole,
+    # plain copy of the architecture instead.
+    if trainer._dist.is_zero3 or temperature is not None:
         replay = build_whole_snapshot(trainer.accelerator.unwrap_model(trainer.model), torch.device("cpu"))
+        temperature = temperature or trainer.temperature
 
         def logps(model, input_ids, attention_mask, logits_to_keep):
             logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, -logits_to_keep - 1 : -1]
-            logp = torch.log_softmax(logits.float() / trainer.temperature, -1)
+            logp = torch.log_softmax(logits.float() / temperature, -1)
             return logp.gather(-1, input_ids[:, -logits_to_keep:, None]).squeeze(-1), None, None
     replay.eval()
     checked = 0
@@ -596,3 +600,19 @@ def test_an_empty_or_too_small_dataset_is_refused_with_its_size(tmp_path, prompt
     with pytest.raises(ValueError, match=rf"train_dataset has {rows} rows, fewer than the 2 distinct prompts"):
         A3POTrainer(model="never-loaded", reward_funcs=digit_reward, args=args,
                     train_dataset=prompt_dataset.select(range(rows)))
+
+
+def test_a_cooled_sampler_keeps_every_token_on_its_recorded_version(tmp_path, tokenizer, prompt_dataset):
+    # sampling_temperature: each token's behaviour log-prob is its version's weights at the sampler's temperature
+    trainer = make(tmp_path, tokenizer, prompt_dataset, max_steps=8, learning_rate=1e-2, temperature=1.0,
+                   sampling_temperature=0.7)
+    generate_two_versions_ahead(trainer)
+    versions = VersionRecorder(trainer)
+    trainer.add_callback(versions)
+    samples = record_trained_samples(trainer)
+    trainer.train()
+    assert logged(trainer, "a3po/staleness/max") == [0, 1] + [2] * 6
+    # the behaviour policy: the recorded version's weights at the sampler's temperature; the learner's is another one
+    assert check_behaviour_logprobs_against_versions(trainer, versions, samples, atol=1e-5, temperature=0.7) == 8 * 4
+    with pytest.raises(AssertionError):
+        check_behaviour_logprobs_against_versions(trainer, versions, samples, atol=1e-3, temperature=1.0)

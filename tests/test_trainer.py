@@ -521,3 +521,35 @@ def test_a_plain_tensor_generate_trains_asynchronously(tmp_path, tokenizer, prom
     trainer = make_trainer(tmp_path, tokenizer, prompt_dataset, model=model, max_steps=4)
     trainer.train()
     assert max(logged(trainer, "a3po/staleness/max")) >= 1
+
+
+@pytest.mark.parametrize("async_generation", [False, True])
+def test_a_cooled_sampler_reports_the_logprobs_it_sampled_from_while_the_learner_keeps_its_temperature(
+        tmp_path, tokenizer, prompt_dataset, async_generation):
+    trainer = make_trainer(tmp_path, tokenizer, prompt_dataset, temperature=1.0, sampling_temperature=0.5,
+                           async_generation=async_generation, max_steps=2)
+    assert trainer.temperature == 1.0 and trainer.generation_config.temperature == 0.5
+    samples = []
+    original = trainer._compute_loss
+    trainer._compute_loss = lambda model, inputs: samples.append(inputs) or original(model, inputs)
+    trainer.train()  # version 0 is the initial weights: with a copy of them, the first batch's sampler is known
+    batch = samples[0]
+    model = make_model(tokenizer)  # the initial weights (same seed)
+    with torch.no_grad():
+        logits = model(input_ids=torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1),
+                       attention_mask=torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1)).logits
+    width = batch["prompt_ids"].size(1)
+    logits = logits[:, width - 1 : -1]
+    ids = batch["completion_ids"][:, :, None]
+    mask = batch["completion_mask"].bool()
+    at = {t: torch.log_softmax(logits / t, -1).gather(-1, ids).squeeze(-1)[mask] for t in (0.5, 1.0)}
+    behaviour = batch["sampling_per_token_logps"][mask]
+    assert (behaviour - at[0.5]).abs().max() < 1e-5  # the cooled distribution it sampled from
+    assert (behaviour - at[1.0]).abs().max() > 1e-2  # not the learner's
+
+
+@pytest.mark.parametrize("kwargs,pattern", [(dict(use_decoupled_loss=False), "no behaviour weight to correct"),
+                                            (dict(sampling_temperature=0.0), "must be > 0")])
+def test_sampling_temperature_needs_the_decoupled_loss(tmp_path, kwargs, pattern):
+    with pytest.raises(ValueError, match=pattern):
+        A3POConfig(output_dir=str(tmp_path), **{**COMMON, "sampling_temperature": 0.8, **kwargs})

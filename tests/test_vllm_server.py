@@ -432,3 +432,16 @@ def test_gspo_and_cispo_train_asynchronously_on_the_vllm_server(tmp_path, vllm_s
     clip_key = "cispo_clip_ratio" if case["loss_type"] == "cispo" else "clip_ratio/region_mean"
     assert len(logged(trainer, clip_key)) == 8
     assert producer_threads() == []
+
+
+def test_a_cooled_sampler_on_the_vllm_server_reports_the_cooled_logprobs(tmp_path, vllm_server, prompt_dataset):
+    trainer = make_trainer(tmp_path, vllm_server, prompt_dataset, max_steps=6, weight_sync_transport="disk",
+                           learning_rate=1e-2, temperature=1.0, sampling_temperature=0.7)
+    generate_two_versions_ahead(trainer)
+    versions = VersionRecorder(trainer)
+    trainer.add_callback(versions)
+    samples = record_trained_samples(trainer)
+    trainer.train()
+    assert logged(trainer, "a3po/staleness/max") == [0, 1] + [2] * 4
+    # the behaviour policy: each recorded version's weights at the sampler's temperature
+    assert check_behaviour_logprobs_against_versions(trainer, versions, samples, atol=1e-3, temperature=0.7) == 6 * 4

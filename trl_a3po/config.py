@@ -41,6 +41,8 @@ class A3POConfig(GRPOConfig):
             `"token"` bounds each token's weight; `"sequence"` gives every token its sequence's geometric mean.
         dual_clip_c (`float` or `None`, *optional*, defaults to `None`):
             Dual-clip constant c > 1 for negative advantages; `None` disables it.
+        sampling_temperature (`float` or `None`, *optional*, defaults to `None`):
+            The generator's temperature, apart from the learner's `temperature`; `None` = `temperature`.
         vllm_importance_sampling_correction (`bool` or `None`, *optional*, defaults to `None`):
             TRL's own correction; `None` = off with the decoupled loss (its behaviour weight corrects already).
 
@@ -128,6 +130,17 @@ class A3POConfig(GRPOConfig):
         metadata={
             "help": "Dual-clip constant c > 1: bounds the loss of negative-advantage tokens at c*|A| before the "
             "behaviour weight. None disables dual clipping."
+        },
+    )
+    sampling_temperature: float | None = field(
+        default=None,
+        metadata={
+            "help": "Temperature the generator samples with, apart from the learner's `temperature`: the behaviour "
+            "log-probs are those of the distribution sampled from (this temperature), while the training forward, "
+            "the proximal policy, the reference model and the importance weights use `temperature` (a cooled "
+            "sampler, arXiv 2609.36953). None (default) = `temperature` for both, GRPO's behaviour. Needs the "
+            "decoupled loss (its behaviour weight corrects for the sampler) and A-3PO's generators (in-process or "
+            "rollout_backend='vllm_server').",
         },
     )
     vllm_importance_sampling_correction: bool | None = field(
@@ -273,6 +286,22 @@ class A3POConfig(GRPOConfig):
             )
         if self.use_decoupled_loss or self.async_generation:
             self._refuse_non_sampling_generation_kwargs()
+        if self.sampling_temperature is not None:
+            if not self.sampling_temperature > 0.0:
+                raise ValueError(f"sampling_temperature={self.sampling_temperature} must be > 0 (or None: "
+                                 "`temperature`).")
+            if not self.use_decoupled_loss:
+                raise ValueError(
+                    "sampling_temperature samples from another distribution than the learner's; GRPOTrainer's "
+                    "coupled loss (use_decoupled_loss=False) has no behaviour weight to correct for it. Set "
+                    "use_decoupled_loss=True, or unset sampling_temperature."
+                )
+            if self.use_vllm:
+                raise ValueError(
+                    "sampling_temperature applies to A-3PO's generators (in-process, rollout_backend='vllm_server'); "
+                    "TRL's use_vllm=True path samples at `temperature`. Unset sampling_temperature, or set "
+                    "use_vllm=False."
+                )
         if not self.use_decoupled_loss:
             return
 

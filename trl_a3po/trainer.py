@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import copy
 import functools
 import itertools
 import os
@@ -291,6 +292,12 @@ class A3POTrainer(GRPOTrainer):
             callbacks=callbacks, optimizers=optimizers, quantization_config=quantization_config,
             peft_config=peft_config, tools=tools, rollout_func=rollout_func, environment_factory=environment_factory,
         )
+        if self.args.sampling_temperature is not None:
+            # The generators sample at their own temperature (in-process: this config; a vLLM server: its request);
+            # the learner's forward keeps `temperature` (TRL's `self.temperature`).
+            self.generation_config = copy.deepcopy(self.generation_config)
+            self.generation_config.temperature = self.args.sampling_temperature
+            self.generation_kwargs = {**self.generation_kwargs, "temperature": self.args.sampling_temperature}
         self._prox_timer = _ProxTimer(self.accelerator.device)  # the paper's Figure 1 metric
         self._train_start = time.perf_counter()
         # The one channel between our hooks while TRL scores a generation batch (see `_Scoring`).

@@ -147,7 +147,10 @@ class VLLMServerBackend:
             transport = NCCLTransport(group_port=args.vllm_group_port, timeout_s=args.vllm_server_timeout)
         sampling = {
             "max_tokens": args.max_completion_length,
-            "temperature": args.temperature,
+            # the sampler's own temperature where it has one (A3POConfig.sampling_temperature): the processed
+            # log-probs the server returns are then those of the cooled distribution it sampled from
+            "temperature": args.temperature if getattr(args, "sampling_temperature", None) is None
+            else args.sampling_temperature,
             "top_p": args.top_p,
             "top_k": args.top_k if args.top_k else -1,
             "min_p": args.min_p or 0.0,
