@@ -25,6 +25,7 @@ Runs, named `<method>-d<max_staleness>-s<seed>`:
   recompute  decoupled PPO, proximal log-probs from a forward pass, asynchronous with max_staleness d
   loglinear  A-3PO: the same, proximal log-probs interpolated (alpha = 1/d at token staleness d)
   metrics    seed 0 at each d: trains as recompute and logs each approximation's error against it per token staleness
+  cooled     loglinear with the sampler at temperature 0.8 (`sampling_temperature`), the learner at 1.0, at d = 4, 8
 Paired seeds: a seed fixes the data order (TRL's sampler) and the trainer's seed for every method, and the report
 gives paired differences (same seed, other method). The sampled completions are not fixed: the CPU vLLM engine dies on
 a per-request seed, and with a server-wide `--seed` two runs' first batches still differed (calibration, 2026-12-01:
@@ -64,7 +65,11 @@ METHOD_FLAGS = {
     "recompute": ["--prox_logp_method", "recompute", "--async_generation", "true"],
     "loglinear": ["--prox_logp_method", "loglinear", "--async_generation", "true"],
     "metrics": ["--prox_logp_method", "metrics", "--async_generation", "true"],
+    # the cooled sampler (arXiv 2609.36953): loglinear sampling at 0.8, learner, reference and weights at 1.0
+    "cooled": ["--prox_logp_method", "loglinear", "--async_generation", "true", "--sampling_temperature",
+               "0.8"],
 }
+COOLED_STALENESS = (4, 8)  # the sampler-temperature question (issue 37): its None arm is the loglinear runs
 LEARNING_RATE = 2e-5  # the calibration's choice (benchmarks/RESULTS.md, "Learning-rate calibration")
 TRAIN_FLAGS = [
     "--one_shot_prompt", "true", "--format_reward_weight", "0.5", "--format_reward_only_when_correct", "true",
@@ -100,6 +105,9 @@ def all_runs() -> list[tuple[str, int, int]]:
                 runs.append(("sync", 0, seed))
             runs += [("recompute", d, seed), ("loglinear", d, seed)]
         runs.append(("metrics", d, 0))
+    # The sampler-temperature question, after the sweep it pairs with (same recipe, loglinear; only the sampler's
+    # temperature differs): each seed against the loglinear run of the same seed and staleness.
+    runs += [("cooled", d, seed) for d in sorted(COOLED_STALENESS, reverse=True) for seed in SEEDS]
     return runs
 
 
@@ -332,7 +340,7 @@ def report(results_dir: str, figures_dir: str) -> None:
     groups = {}
     for r in results:
         groups.setdefault((r["method"], r["max_staleness"]), {})[r["seed"]] = r
-    order = [("sync", 0)] + [(m, d) for d in STALENESS for m in ("recompute", "loglinear", "metrics")]
+    order = [("sync", 0)] + [(m, d) for d in STALENESS for m in ("recompute", "loglinear", "cooled", "metrics")]
     order = [key for key in order if key in groups]
     base = results[0]["greedy_before"]
     print(f"Greedy accuracy on the held-out problems (base model {base:.3f}); mean +- sample std over seeds")
@@ -353,7 +361,8 @@ def report(results_dir: str, figures_dir: str) -> None:
     print("Paired differences of greedy accuracy after training (same seed = same data order; the "
           "first batches, listed below, match only where the sampler did), and training time:")
     for d in STALENESS:
-        for method, other in (("loglinear", "recompute"), ("loglinear", "sync"), ("recompute", "sync")):
+        for method, other in (("loglinear", "recompute"), ("loglinear", "sync"), ("recompute", "sync"),
+                              ("cooled", "loglinear")):
             runs, baseline = groups.get((method, d), {}), groups.get((other, 0 if other == "sync" else d), {})
             seeds = sorted(set(runs) & set(baseline))
             if seeds:

@@ -136,3 +136,11 @@ def synchronous_shards(tmp_path_factory):
     from test_accelerate import launch
 
     return launch(tmp_path_factory.mktemp("sync"), "sync")
+
+
+@pytest.fixture(scope="session")
+def synchronous_iterable_shards(tmp_path_factory):
+    """`synchronous_shards` with the dataset streamed (an IterableDataset: TRL's own order, a buffered shuffle)."""
+    from test_accelerate import launch
+
+    return launch(tmp_path_factory.mktemp("sync-iterable"), "sync-iterable")

@@ -61,6 +61,15 @@ def test_two_process_async_run_follows_the_synchronous_shards(tmp_path, synchron
         assert async_[0]["mixed"] > 0 and async_[1]["mixed"] > 0
 
 
+def test_two_processes_follow_an_iterable_datasets_synchronous_shards(tmp_path, synchronous_iterable_shards):
+    # The stream has no sampler to replay: each process's producer reads its own shard of it (Accelerate shards a
+    # 2-shard stream by its shards), ahead of its trainer.
+    ranks = launch(tmp_path, "async-iterable")
+    check_ranks_follow_the_synchronous_shards(synchronous_iterable_shards, ranks)
+    assert [r["checked"] for r in ranks] == [16, 16]
+    assert max(ranks[0]["staleness_max"]) == 2
+
+
 def test_two_processes_under_deepspeed_zero3_train_async_in_process(tmp_path, synchronous_shards):
     # Real DeepSpeed ZeRO-3 (CPU, gloo): the parameters are partitioned, each process's generator snapshot is built
     # whole (never partitioned, never in a collective), and every sample matches its recorded version (1e-5).

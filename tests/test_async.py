@@ -372,18 +372,48 @@ def test_unreachable_vllm_server_fails_fast_naming_host_and_port(tmp_path, token
 
 
 # a batch boundary, inside one; inside one with in-flight updates, with continuous generation
-@pytest.mark.parametrize("resume_step,inflight,continuous", [(3, False, False), (2, False, False), (2, True, False),
-                                                             (2, False, True)])
+@pytest.mark.parametrize("steps_per_generation,shards", [(1, 1), (2, 1), (2, 3)])
+def test_an_iterable_dataset_trains_asynchronously_in_the_synchronous_prompt_order(tmp_path, tokenizer, prompt_dataset,
+                                                                                  steps_per_generation, shards):
+    # A streamed dataset (TRL: buffered shuffle, repeats baked into the stream) has no sampler to replay: the producer
+    # reads the stream ahead of the trainer, past the end of an epoch too (6 prompts, 1 or 2 per generation batch:
+    # a reshuffled second epoch).
+    runs = {}
+    for mode in ("sync", "async"):
+        reward = Recorder()
+        trainer = make(tmp_path / mode, tokenizer, prompt_dataset.select(range(6)).to_iterable_dataset(shards),
+                       reward=reward, steps_per_generation=steps_per_generation, max_steps=10,
+                       async_generation=(mode == "async"))
+        if mode == "async":
+            generate_two_versions_ahead(trainer)
+        trainer.train()
+        runs[mode] = ([sorted(set(prompts)) for prompts in reward.prompts], trainer)
+    prompts = runs["sync"][0]
+    assert len(prompts) == 10 // steps_per_generation
+    assert runs["async"][0] == prompts  # same prompts, same batches, same order
+    epoch = 6 // steps_per_generation  # generation batches per epoch
+    assert len(set(sum(prompts[:epoch], []))) == 6  # the first epoch: every prompt once
+    assert prompts[epoch:] != prompts[: len(prompts) - epoch]  # the second epoch is reshuffled, and still followed
+    # staleness 2 from the third generation batch on (a version = one generation batch's optimizer steps)
+    assert logged(runs["async"][1], "a3po/staleness/max")[2 * steps_per_generation:] == [2] * (
+        10 - 2 * steps_per_generation)
+    assert producer_threads() == []
+
+
+@pytest.mark.parametrize("resume_step,inflight,continuous,iterable", [
+    (3, False, False, False), (2, False, False, False), (2, True, False, False), (2, False, True, False),
+    (2, False, False, True)])
 def test_resume_continues_the_order_without_skipping_or_repeating(tmp_path, tokenizer, prompt_dataset, resume_step,
-                                                                 inflight, continuous):
+                                                                 inflight, continuous, iterable):
     kwargs = dict(steps_per_generation=3, max_steps=9, save_strategy="steps", save_steps=resume_step,
                   inflight_weight_updates=inflight, continuous_generation=continuous)
-    full = make(tmp_path / "full", tokenizer, prompt_dataset, **kwargs)
+    dataset = prompt_dataset.to_iterable_dataset() if iterable else prompt_dataset
+    full = make(tmp_path / "full", tokenizer, dataset, **kwargs)
     full_batches = record_microbatches(full)
     full.train()
     assert len(full_batches) == 9
 
-    resumed = make(tmp_path / "resumed", tokenizer, prompt_dataset, **kwargs)
+    resumed = make(tmp_path / "resumed", tokenizer, dataset, **kwargs)
     resumed_batches = record_microbatches(resumed)
     resumed.train(resume_from_checkpoint=str(tmp_path / "full" / f"checkpoint-{resume_step}"))
     # micro-batches after the checkpoint carry exactly the prompts the uninterrupted run trained there
@@ -489,7 +519,7 @@ def test_a_failure_during_training_ends_train_fast_with_no_thread_left(tmp_path,
     assert producer_threads() == []  # the producer and, continuous, every stream thread
 
 
-@pytest.mark.parametrize("case", ["tools", "iterable", "grpo_config", "dora", "ia3", "lora_bias", "images",
+@pytest.mark.parametrize("case", ["tools", "grpo_config", "dora", "ia3", "lora_bias", "images",
                                   "images_coupled"])
 def test_unsupported_inputs_are_refused_before_any_model_work(tmp_path, tokenizer, prompt_dataset, monkeypatch, case):
     from peft import IA3Config, LoraConfig
@@ -505,9 +535,6 @@ def test_unsupported_inputs_are_refused_before_any_model_work(tmp_path, tokenize
     if case == "tools":
         kwargs["tools"] = [len]
         error, pattern = ValueError, r"tools, environment_factory and rollout_func need async_generation=False"
-    elif case == "iterable":
-        kwargs["train_dataset"] = prompt_dataset.to_iterable_dataset()
-        error, pattern = ValueError, r"needs a map-style train_dataset .* or set async_generation=False"
     elif case == "dora":  # adapters the merged export cannot reproduce: the generator would run another policy
         kwargs["peft_config"] = LoraConfig(r=4, target_modules=["q_proj"], use_dora=True)
         error, pattern = ValueError, r"cannot represent LoRA with use_dora=True .* or set async_generation=False"

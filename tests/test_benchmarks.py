@@ -74,13 +74,16 @@ def test_learning_sweep_runs_and_paired_differences():
 
     learning = runpy.run_path(str(REPO / "benchmarks" / "learning.py"))
     runs = learning["all_runs"]()
-    assert len(runs) == len(set(runs)) == 3 * (1 + 2 * 3) + 3  # per seed: sync + {recompute, loglinear} x {2, 4, 8}
+    # per seed: sync + {recompute, loglinear} x {2, 4, 8}, a metrics run per staleness, then the cooled sampler
+    assert len(runs) == len(set(runs)) == 3 * (1 + 2 * 3) + 3 + 3 * 2
     assert runs[:10] == [("sync", 0, 0), ("recompute", 8, 0), ("loglinear", 8, 0), ("sync", 0, 1),
                          ("recompute", 8, 1), ("loglinear", 8, 1), ("sync", 0, 2), ("recompute", 8, 2),
                          ("loglinear", 8, 2), ("metrics", 8, 0)]
     assert runs[10:17] == [("recompute", 4, 0), ("loglinear", 4, 0), ("recompute", 4, 1), ("loglinear", 4, 1),
                            ("recompute", 4, 2), ("loglinear", 4, 2), ("metrics", 4, 0)]
-    assert runs[-1] == ("metrics", 2, 0)
+    assert runs[24] == ("metrics", 2, 0)
+    assert runs[25:] == [("cooled", 8, 0), ("cooled", 8, 1), ("cooled", 8, 2), ("cooled", 4, 0), ("cooled", 4, 1),
+                         ("cooled", 4, 2)]
     assert learning["run_name"]("loglinear", 8, 1) == "loglinear-d8-s1"
     # differences 0.1 and 0.3: mean 0.2, sample std 0.1414, SE 0.1, t(0.975, 1 df) = 12.706
     assert learning["paired_difference"]([0.1, 0.3]) == ("+0.200 +- 0.100 (SE), 95% [-1.071, +1.471], 2 seeds")
@@ -94,7 +97,7 @@ def test_learning_sweep_report_pairs_runs_by_seed(tmp_path, capsys):
 
     learning = runpy.run_path(str(REPO / "benchmarks" / "learning.py"))
     after = {("loglinear", 2, 0): 0.5, ("loglinear", 2, 1): 0.6, ("recompute", 2, 0): 0.4, ("recompute", 2, 1): 0.3,
-             ("sync", 0, 0): 0.45, ("loglinear", 4, 0): 0.5, ("recompute", 4, 0): 0.5}
+             ("sync", 0, 0): 0.45, ("loglinear", 4, 0): 0.5, ("recompute", 4, 0): 0.5, ("cooled", 4, 0): 0.55}
     for (method, d, seed), accuracy in after.items():
         run = tmp_path / "runs" / learning["run_name"](method, d, seed)
         run.mkdir(parents=True)
@@ -116,6 +119,8 @@ def test_learning_sweep_report_pairs_runs_by_seed(tmp_path, capsys):
     assert "d=2 loglinear - sync      +0.050 (1 seed)" in out
     # recompute - sync at d=2: seed 0 only, 0.4 - 0.45
     assert "d=2 recompute - sync      -0.050 (1 seed)" in out
+    # the cooled sampler against loglinear at the same seed and staleness
+    assert "d=4 cooled - loglinear +0.050 (1 seed)" in out
     assert "d=2 training time recompute / loglinear: 1.75x (mean over 2 seeds; per seed 1.50 2.00)" in out
     # a pair on machines of different speed gets no time ratio, and says why
     assert "d=4 training time" not in out

@@ -237,6 +237,14 @@ def test_two_processes_share_one_server_with_one_push_per_version(tmp_path, vllm
         assert ranks[0]["mixed"] + ranks[1]["mixed"] > 0
 
 
+def test_two_processes_share_one_server_on_an_iterable_dataset(tmp_path, vllm_server, synchronous_iterable_shards):
+    # The main process reads both processes' shards of the stream (Accelerate's sharding, for each process index)
+    # and generates them on the server; each process trains its synchronous share.
+    ranks = launch(tmp_path, "vllm-iterable", vllm_server["port"], vllm_server["model_dir"])
+    check_ranks_follow_the_synchronous_shards(synchronous_iterable_shards, ranks)
+    assert [r["checked"] for r in ranks] == [16, 16]
+
+
 def test_nccl_transport_has_one_communicator_and_one_packed_push_per_version(tmp_path, vllm_server):
     # NCCL needs GPUs: TRL's client is replaced by a recorder; generation and the start-up probe run on the real
     # server (started with the weight-transfer flag the probe checks).
@@ -343,6 +351,36 @@ def test_two_processes_share_a_lora_server_with_one_adapter_per_version(tmp_path
     assert traffic["base_reloads"] == 0 and traffic["most_at_once"] <= 2 + 2
 
 
+@pytest.mark.parametrize("case", [dict(loss_type="grpo", importance_sampling_level="sequence"),  # GSPO
+                                  dict(loss_type="cispo")], ids=["gspo", "cispo"])
+def test_gspo_and_cispo_train_asynchronously_on_the_vllm_server(tmp_path, vllm_server, prompt_dataset, case):
+    trainer = make_trainer(tmp_path, vllm_server, prompt_dataset, max_steps=8, weight_sync_transport="disk",
+                           learning_rate=1e-2, **case)
+    generate_two_versions_ahead(trainer)
+    versions = VersionRecorder(trainer)
+    trainer.add_callback(versions)
+    samples = record_trained_samples(trainer)
+    trainer.train()
+    assert logged(trainer, "a3po/staleness/max") == [0, 1] + [2] * 6
+    assert check_behaviour_logprobs_against_versions(trainer, versions, samples, atol=1e-3) == 8 * 4
+    clip_key = "cispo_clip_ratio" if case["loss_type"] == "cispo" else "clip_ratio/region_mean"
+    assert len(logged(trainer, clip_key)) == 8
+    assert producer_threads() == []
+
+
+def test_a_cooled_sampler_on_the_vllm_server_reports_the_cooled_logprobs(tmp_path, vllm_server, prompt_dataset):
+    trainer = make_trainer(tmp_path, vllm_server, prompt_dataset, max_steps=6, weight_sync_transport="disk",
+                           learning_rate=1e-2, temperature=1.0, sampling_temperature=0.7)
+    generate_two_versions_ahead(trainer)
+    versions = VersionRecorder(trainer)
+    trainer.add_callback(versions)
+    samples = record_trained_samples(trainer)
+    trainer.train()
+    assert logged(trainer, "a3po/staleness/max") == [0, 1] + [2] * 4
+    # the behaviour policy: each recorded version's weights at the sampler's temperature
+    assert check_behaviour_logprobs_against_versions(trainer, versions, samples, atol=1e-3, temperature=0.7) == 6 * 4
+
+
 # The two tests below kill the module's servers (a server start costs ~50 s here, so they reuse them): they run last,
 # in this order (pytest keeps the file's order), after every other user of those servers.
 
@@ -415,33 +453,3 @@ def test_a_server_restarted_mid_run_never_trains_a_mislabelled_sample(tmp_path, 
     else:
         assert f"127.0.0.1:{port}" in failure
         assert "went away" in failure or "holds weights labelled" in failure, failure
-
-
-@pytest.mark.parametrize("case", [dict(loss_type="grpo", importance_sampling_level="sequence"),  # GSPO
-                                  dict(loss_type="cispo")], ids=["gspo", "cispo"])
-def test_gspo_and_cispo_train_asynchronously_on_the_vllm_server(tmp_path, vllm_server, prompt_dataset, case):
-    trainer = make_trainer(tmp_path, vllm_server, prompt_dataset, max_steps=8, weight_sync_transport="disk",
-                           learning_rate=1e-2, **case)
-    generate_two_versions_ahead(trainer)
-    versions = VersionRecorder(trainer)
-    trainer.add_callback(versions)
-    samples = record_trained_samples(trainer)
-    trainer.train()
-    assert logged(trainer, "a3po/staleness/max") == [0, 1] + [2] * 6
-    assert check_behaviour_logprobs_against_versions(trainer, versions, samples, atol=1e-3) == 8 * 4
-    clip_key = "cispo_clip_ratio" if case["loss_type"] == "cispo" else "clip_ratio/region_mean"
-    assert len(logged(trainer, clip_key)) == 8
-    assert producer_threads() == []
-
-
-def test_a_cooled_sampler_on_the_vllm_server_reports_the_cooled_logprobs(tmp_path, vllm_server, prompt_dataset):
-    trainer = make_trainer(tmp_path, vllm_server, prompt_dataset, max_steps=6, weight_sync_transport="disk",
-                           learning_rate=1e-2, temperature=1.0, sampling_temperature=0.7)
-    generate_two_versions_ahead(trainer)
-    versions = VersionRecorder(trainer)
-    trainer.add_callback(versions)
-    samples = record_trained_samples(trainer)
-    trainer.train()
-    assert logged(trainer, "a3po/staleness/max") == [0, 1] + [2] * 4
-    # the behaviour policy: each recorded version's weights at the sampler's temperature
-    assert check_behaviour_logprobs_against_versions(trainer, versions, samples, atol=1e-3, temperature=0.7) == 6 * 4

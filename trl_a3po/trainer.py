@@ -35,14 +35,14 @@ from typing import TYPE_CHECKING
 
 import datasets
 import torch
-from accelerate.data_loader import BatchSamplerShard
+from accelerate.data_loader import BatchSamplerShard, prepare_data_loader
 from accelerate.utils import broadcast_object_list, is_peft_model
-from torch.utils.data import BatchSampler
+from torch.utils.data import BatchSampler, DataLoader
 from transformers import TrainerCallback
 from trl import GRPOTrainer
 from trl.extras.profiling import profiling_context
 from trl.models.utils import disable_gradient_checkpointing, unwrap_model_for_generation
-from trl.trainer.utils import get_config_model_id, nanmax, nanmin, split_tensor_dict
+from trl.trainer.utils import get_config_model_id, nanmax, nanmin, repeat_iterable_dataset, split_tensor_dict
 
 from .config import A3POConfig
 from .proximal import (
@@ -82,7 +82,7 @@ def _check_train_dataset(config: A3POConfig, dataset) -> None:
     (TRL would fail inside the tokenizer naming no row, or train nothing and say nothing)."""
     if dataset is None or not hasattr(dataset, "__len__") or "prompt" not in (getattr(dataset, "column_names", None)
                                                                              or []):
-        return  # iterable datasets (refused in async mode) and custom collations: TRL's business
+        return  # streamed datasets (no length to check) and custom collations: TRL's business
     needed = config.generation_batch_size // config.num_generations  # distinct prompts in one generation batch
     if len(dataset) < needed:
         raise ValueError(
@@ -144,11 +144,6 @@ def _refuse_unsupported_async(config: A3POConfig, given: dict) -> None:
         raise ValueError(
             f"async_generation=True generates from text prompts alone: this dataset's {sorted(images)} column would "
             "never reach the generator. Set async_generation=False for vision-language models."
-        )
-    if isinstance(given.get("train_dataset"), (torch.utils.data.IterableDataset, datasets.IterableDataset)):
-        raise ValueError(
-            "async_generation=True needs a map-style train_dataset (the producer follows the sampler's order ahead of "
-            "the trainer); convert it, or set async_generation=False."
         )
     # Sharded parameters, as far as can be told before the Accelerator exists: `accelerate launch` exports its FSDP
     # and DeepSpeed settings as environment variables; TrainingArguments has its own `fsdp` field.
@@ -370,6 +365,9 @@ class A3POTrainer(GRPOTrainer):
         The same sampler, seed and Accelerate sharding as the training dataloader (which yields each generation batch
         R = steps_per_generation * num_iterations times in a row); every process checks its share against it.
         """
+        if isinstance(self.train_dataset, datasets.IterableDataset):
+            yield from self._streamed_generation_batches(start, process_index)
+            return
         sampler = self._get_train_sampler()
         per_process = self._train_batch_size * self.args.steps_per_generation
         batches = BatchSamplerShard(
@@ -394,6 +392,41 @@ class A3POTrainer(GRPOTrainer):
                     continue
                 yield index, [self.train_dataset[i] for i in indices]
                 index += 1
+
+    def _streamed_generation_batches(self, start: int, process_index: int):
+        """`_generation_batches` for an iterable dataset, which has no sampler to replay: a second reader of the same
+        stream. TRL's `get_train_dataloader` transform (buffered shuffle by seed, `repeat_iterable_dataset`), sharded
+        for `process_index` by Accelerate's own `prepare_data_loader` as the training dataloader is, one epoch after
+        another (`set_epoch` reshuffles, as the Trainer's epoch loop does). Batches already trained on resume are read
+        and skipped from the stream's start, as the Trainer skips them."""
+        dataset = self.train_dataset
+        if self.shuffle_dataset:
+            dataset = dataset.shuffle(seed=self.args.seed)
+        dataset = repeat_iterable_dataset(dataset, mini_repeat_count=self.num_generations,
+                                          batch_size=self.args.generation_batch_size // self.num_generations,
+                                          repeat_count=self._micro_steps_per_generation)
+        loader = prepare_data_loader(
+            DataLoader(dataset, batch_size=self._train_batch_size * self.args.steps_per_generation,
+                       collate_fn=self._get_collator_with_removed_columns(self.data_collator, description="Training")),
+            num_processes=self.accelerator.num_processes,
+            process_index=process_index,
+            split_batches=self.accelerator.split_batches,
+            even_batches=self.accelerator.even_batches,
+            dispatch_batches=False,  # TRL requires it for iterable datasets
+        )
+        index = 0
+        for epoch in itertools.count():
+            loader.set_epoch(epoch)
+            read = 0
+            for position, rows in enumerate(loader):
+                read += 1
+                if position % self._micro_steps_per_generation:
+                    continue  # a repeat of the generation batch just read
+                if index >= start:
+                    yield index, rows
+                index += 1
+            if read == 0:
+                raise ValueError("the train dataset streamed no complete generation batch")
 
     def _start_queue(self, start: int) -> None:
         self._bound = StalenessBound(self.args.max_staleness)

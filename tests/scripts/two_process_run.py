@@ -7,6 +7,8 @@ its samples' behaviour versions, and how many samples it checked against the wei
                                                                  one vLLM server for both ranks
     two_process_run.py OUT_DIR standin|standin-stagefail PORT   a stand-in server set up to fail (the run fails)
 
+A `-iterable` suffix on sync, async and vllm runs streams the dataset (`IterableDataset`, 2 shards).
+
 `*-inflight` modes turn on in-flight weight updates so that versions are published mid-sequence: generation is slowed
 (20 ms each time the producer asks whether a newer version is due, i.e. per token), and continuous generation
 waits for the next version instead (test_async.py's `wait_for_the_next_version`); `*-continuous-inflight` also
@@ -38,7 +40,8 @@ from test_async import (  # noqa: E402
 from trl_a3po import A3POConfig, A3POTrainer  # noqa: E402
 from trl_a3po.rollout import GenerationQueue  # noqa: E402
 
-out_dir, mode = Path(sys.argv[1]), sys.argv[2]
+out_dir, run_name = Path(sys.argv[1]), sys.argv[2]
+mode = run_name.removesuffix("-iterable")  # `*-iterable`: the same run on the dataset streamed (IterableDataset)
 inflight = mode.endswith("-inflight")
 seen = []
 
@@ -119,6 +122,8 @@ elif mode.startswith("vllm"):
         server["vllm_group_port"] = 51277
 else:
     model = make_model(tokenizer)
+if run_name.endswith("-iterable"):
+    dataset = dataset.to_iterable_dataset(num_shards=2)  # as many shards as processes: Accelerate shards by them
 args = A3POConfig(
     output_dir=str(out_dir / mode), per_device_train_batch_size=2, num_generations=4, max_completion_length=6,
     steps_per_generation=2, max_steps=8, logging_steps=1, report_to="none", use_cpu=not zero3, save_strategy="no",
@@ -148,7 +153,7 @@ params = list(trainer.model_wrapped.parameters()) if zero3 else []
 held = sum(p.ds_tensor.numel() for p in params if hasattr(p, "ds_tensor"))
 partitioned_fraction = held / max(sum(p.ds_numel for p in params if hasattr(p, "ds_numel")), 1)
 staleness = [h["a3po/staleness/max"] for h in trainer.state.log_history if "a3po/staleness/max" in h]
-(out_dir / f"{mode}-rank{rank}.json").write_text(
+(out_dir / f"{run_name}-rank{rank}.json").write_text(
     json.dumps({
         "prompts": seen, "staleness_max": staleness, "eta": args.max_staleness,
         "world": trainer.accelerator.num_processes, "checked": checked,
