@@ -81,8 +81,8 @@ def test_learning_sweep_runs_and_paired_differences():
                          ("loglinear", 8, 2), ("metrics", 8, 0)]
     assert runs[10:17] == [("recompute", 4, 0), ("loglinear", 4, 0), ("recompute", 4, 1), ("loglinear", 4, 1),
                            ("recompute", 4, 2), ("loglinear", 4, 2), ("metrics", 4, 0)]
-    assert runs[24] == ("metrics", 2, 0)
-    assert runs[25:] == [("cooled", 8, 0), ("cooled", 8, 1), ("cooled", 8, 2), ("cooled", 4, 0), ("cooled", 4, 1),
+    assert runs[23] == ("metrics", 2, 0)
+    assert runs[24:] == [("cooled", 8, 0), ("cooled", 8, 1), ("cooled", 8, 2), ("cooled", 4, 0), ("cooled", 4, 1),
                          ("cooled", 4, 2)]
     assert learning["run_name"]("loglinear", 8, 1) == "loglinear-d8-s1"
     # differences 0.1 and 0.3: mean 0.2, sample std 0.1414, SE 0.1, t(0.975, 1 df) = 12.706
