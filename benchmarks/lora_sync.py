@@ -29,7 +29,7 @@ sys.path.insert(0, str(REPO / "tests"))
 from local_vllm import local_vllm_server  # noqa: E402
 
 from trl_a3po.rollout.vllm_server import VLLMServerBackend  # noqa: E402
-from trl_a3po.trainer import _hf_named_tensors  # noqa: E402
+from trl_a3po.rollout.policy_weights import _hf_named_tensors  # noqa: E402
 
 
 def push_versions(mode: str, model, port: int, workdir: str, versions: int) -> dict:

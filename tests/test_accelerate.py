@@ -1,49 +1,16 @@
 """Two CPU processes under `accelerate launch` (gloo): each rank trains its share of the synchronous order, async."""
 
-import json
-import os
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import pytest
-from conftest import free_port, require_deepspeed
-
-SCRIPT = Path(__file__).resolve().parent / "scripts" / "two_process_run.py"
+from conftest import check_ranks_follow_the_synchronous_shards, launch, require_deepspeed
 
 
-DEEPSPEED_CPU = SCRIPT.parent / "deepspeed_cpu.json"
 
 
-def launch(out_dir, mode, *extra, expect_failure=False):
-    """`mode`s ending in "zero3" run under real DeepSpeed ZeRO-3 (CPU, gloo, `DEEPSPEED_CPU`)."""
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-    distributed = ["--multi_gpu"]
-    if mode.endswith("zero3"):
-        distributed = ["--use_deepspeed", "--deepspeed_config_file", str(DEEPSPEED_CPU), "--zero3_init_flag", "true"]
-    # `--cpu` alone starts one process unless MPI is set up; `--multi_gpu` uses torchrun, which on a machine without
-    # GPUs (and `use_cpu=True` in the config) runs the processes on CPU over gloo.
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", *distributed, "--num_processes", "2", "--num_machines",
-           "1", "--main_process_port", str(free_port()), "--mixed_precision", "no", "--dynamo_backend", "no", str(SCRIPT), str(out_dir), mode, *map(str, extra)]
-    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    if expect_failure:
-        return result
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
-    return [json.loads((out_dir / f"{mode}-rank{r}.json").read_text()) for r in range(2)]
 
 
-def check_ranks_follow_the_synchronous_shards(sync, async_):
-    """Each rank trains exactly the prompts the synchronous run gives it, the ranks are disjoint, staleness stays
-    within the bound, and every trained sample matched the weights of its recorded behaviour version."""
-    assert [r["world"] for r in async_] == [2, 2]
-    for rank in range(2):
-        assert async_[rank]["prompts"] == sync[rank]["prompts"], f"rank {rank} trained other prompts"
-        assert len(async_[rank]["prompts"]) == 4  # 8 steps / 2 steps per generation batch
-        staleness = async_[rank]["staleness_max"]
-        assert len(staleness) == 8 and max(staleness) <= async_[rank]["eta"] == 2
-    prompts = [{p for batch in r["prompts"] for p in batch} for r in async_]
-    assert prompts[0].isdisjoint(prompts[1])  # the ranks share the batch, not duplicate it
+
 
 
 # (In-flight updates alone on two processes: the continuous + in-flight case covers both at once, for CI time; one

@@ -8,12 +8,24 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import digit_reward, free_port, generate_two_versions_ahead, make_model, producer_threads
+from conftest import (
+    COMMON,
+    VersionRecorder,
+    check_behaviour_logprobs_against_versions,
+    digit_reward,
+    free_port,
+    generate_two_versions_ahead,
+    logged,
+    make_model,
+    producer_threads,
+    record_trained_samples,
+    slow_generation,
+)
 from transformers import TrainerCallback
-from test_trainer import COMMON, logged
 
+from trl_a3po.rollout.policy_weights import policy_tensors
 from trl_a3po import A3POConfig, A3POTrainer
-from trl_a3po.rollout import GenerationQueue, InProcessBackend, ProducerError, build_whole_snapshot
+from trl_a3po.rollout import InProcessBackend, ProducerError
 from trl_a3po.rollout.vllm_server import VLLMServerUnreachable
 
 
@@ -30,40 +42,20 @@ class Recorder:
         return digit_reward(completions)
 
 
-def slow_generation(monkeypatch, seconds_per_token=0.02):
-    """Slow the producer's generation down (it asks whether a newer version is due once per token), so that with
-    in-flight weight updates versions are published in the middle of sequences."""
-    newer_version_due = GenerationQueue._newer_version_due
-    monkeypatch.setattr(GenerationQueue, "_newer_version_due",
-                        lambda queue: time.sleep(seconds_per_token) or newer_version_due(queue))
-
-
-NEWER_VERSION_DUE = GenerationQueue._newer_version_due  # as defined, before any test patches it
-
-
-def wait_for_the_next_version(queue) -> bool:
-    """`GenerationQueue._newer_version_due` for continuous generation with in-flight updates, where a race decides
-    whether versions change mid-sequence: in-process, the first batches are merged into one `generate` and only the
-    last is left to be caught (a slow machine's trainer once lost at 60 ms per token); on a vLLM server every batch
-    streams at once, and a loaded machine's trainer published only after all had ended. Instead, a stream (thread
-    `a3po-stream-<its first batch>`) that holds only batches the trainer does not need yet (every index above the newest
-    published version: the trainer trains that version's batch and publishes the next one without them) waits, at each
-    token, until a newer version is due; so every run has versions change mid-sequence, on any machine."""
-    thread = threading.current_thread().name
-    if thread.startswith("a3po-stream-"):
-        first_batch = int(thread.removeprefix("a3po-stream-"))
-        deadline = time.monotonic() + 120
-        while first_batch > queue.published_version and not NEWER_VERSION_DUE(queue) and not queue._stop.is_set():
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{thread}: no version after {queue.published_version} published in 120 s")
-            time.sleep(0.01)
-    return NEWER_VERSION_DUE(queue)
-
-
 def make(tmp_path, tokenizer, dataset, reward=digit_reward, peft_config=None, **kwargs):
     args = A3POConfig(output_dir=str(tmp_path), **{**COMMON, **kwargs})
     return A3POTrainer(model=make_model(tokenizer), reward_funcs=reward, args=args, train_dataset=dataset,
                        processing_class=tokenizer, peft_config=peft_config)
+
+
+
+
+
+
+
+
+
+
 
 
 def record_microbatches(trainer):
@@ -152,78 +144,10 @@ def test_a_default_async_run_engages_the_a3po_approximation(tmp_path, tokenizer,
         assert alpha == (0.5 if d == 2 else 1.0)
 
 
-class VersionRecorder(TrainerCallback):
-    """The weights of every policy version, taken independently of the queue: at the start of each training step
-    (global_step a multiple of the optimizer steps per version), the live weights are that version."""
-
-    def __init__(self, trainer):
-        self.trainer = trainer
-        self.weights = {}
-
-    def on_step_begin(self, args, state, control, **kwargs):
-        per_version = args.steps_per_generation * args.num_iterations // args.gradient_accumulation_steps
-        if state.global_step % per_version == 0:
-            if self.trainer._dist.is_zero3:  # partitioned: gather the whole weights (a collective, every rank is here)
-                with self.trainer._full_policy_tensors() as tensors:
-                    weights = {name: tensor.detach().clone() for name, tensor in tensors}
-            else:
-                weights = {name: tensor.detach().clone() for name, tensor in self.trainer.model.state_dict().items()}
-            self.weights[state.global_step // per_version] = weights
 
 
-def record_trained_samples(trainer, keys=("prompt_ids", "prompt_mask", "completion_ids", "completion_mask",
-                                          "sampling_per_token_logps", "behavior_version")):
-    samples = []
-    original = trainer._compute_loss
-
-    def recording(model, inputs):
-        samples.append({key: inputs[key].detach().clone() for key in keys if key in inputs})
-        return original(model, inputs)
-
-    trainer._compute_loss = recording
-    return samples
 
 
-def check_behaviour_logprobs_against_versions(trainer, versions, samples, atol, temperature=None):
-    """For every trained sample: its behaviour log-probs equal those the weights of its recorded behaviour version
-    give it (a forward of those weights after training, at `temperature`: default the learner's). Returns the number
-    of samples checked."""
-    replay = trainer.model  # TRL's patched forward; training is over, so it can carry each version's weights
-    logps = trainer._get_per_token_logps_and_entropies
-    # Partitioned parameters, or another temperature than the one TRL's patched forward bakes in: replay on a whole,
-    # plain copy of the architecture instead.
-    if trainer._dist.is_zero3 or temperature is not None:
-        replay = build_whole_snapshot(trainer.accelerator.unwrap_model(trainer.model), torch.device("cpu"))
-        temperature = temperature or trainer.temperature
-
-        def logps(model, input_ids, attention_mask, logits_to_keep):
-            logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, -logits_to_keep - 1 : -1]
-            logp = torch.log_softmax(logits.float() / temperature, -1)
-            return logp.gather(-1, input_ids[:, -logits_to_keep:, None]).squeeze(-1), None, None
-    replay.eval()
-    checked = 0
-    for inputs in samples:
-        mask = inputs["completion_mask"].bool()
-        token_versions = inputs["behavior_version"]
-        assert token_versions.shape == mask.shape  # one version per completion token
-        seen = torch.zeros_like(mask)
-        for version in token_versions[mask].unique().tolist():
-            tokens = (token_versions == version) & mask
-            rows = tokens.any(-1)
-            replay.load_state_dict(versions.weights[version])
-            with torch.no_grad():
-                logp, _, _ = logps(
-                    replay,
-                    torch.cat([inputs["prompt_ids"][rows], inputs["completion_ids"][rows]], 1),
-                    torch.cat([inputs["prompt_mask"][rows], inputs["completion_mask"][rows]], 1),
-                    inputs["completion_ids"].size(1),
-                )
-            diff = (logp - inputs["sampling_per_token_logps"][rows]).abs()[tokens[rows]]
-            assert diff.max().item() < atol, (version, diff.max().item())
-            seen |= tokens
-        assert torch.equal(seen, mask)  # every trained token was checked against its own version
-        checked += mask.size(0)
-    return checked
 
 
 @pytest.mark.parametrize("async_generation", [True, False])
@@ -331,7 +255,7 @@ def test_async_lora_snapshot_generates_with_the_merged_policy(tmp_path, tokenize
 
     snapshot = AutoModelForCausalLM.from_config(trainer.model.get_base_model().config)
     backend = InProcessBackend(snapshot, trainer.generation_config, 0, [1])
-    with trainer._full_policy_tensors() as tensors:
+    with policy_tensors(trainer) as tensors:
         backend.load(backend.stage(tensors))
     ids = torch.randint(5, 200, (2, 7))
     trainer.model.eval()

@@ -71,7 +71,7 @@ def run_schedule(seed, max_delay=0.0005):
     sync_every = rng.randint(1, 3)
     bound = StalenessBound(eta)
     backend = FakeBackend(random.Random(seed + 1), max_delay)
-    queue = GenerationQueue(backend, sync_every=sync_every)
+    queue = GenerationQueue(backend, sync_every=sync_every).start()
     trained = []
     try:
         for version, result in drive_like_the_trainer(queue, bound, num_batches, rows=3):
@@ -109,7 +109,7 @@ def test_bound_exact():
 @pytest.mark.parametrize("queue_class", [GenerationQueue, ContinuousGenerationQueue])
 def test_stale_weights_are_loaded_only_when_the_bound_or_sync_every_needs_them(queue_class):
     backend = FakeBackend()
-    queue = queue_class(backend, sync_every=3)
+    queue = queue_class(backend, sync_every=3).start()
     try:
         queue.publish(0, weights(0))
         queue.submit(0, [[0]], min_version=0)
@@ -137,7 +137,7 @@ def test_stale_weights_are_loaded_only_when_the_bound_or_sync_every_needs_them(q
 
 
 def test_submitting_before_the_version_exists_is_refused():
-    queue = GenerationQueue(FakeBackend())
+    queue = GenerationQueue(FakeBackend()).start()
     try:
         with pytest.raises(ValueError, match=r"batch 0 needs version >= 0, but the newest published is None"):
             queue.submit(0, [[1]], min_version=0)
@@ -159,7 +159,7 @@ def test_producer_exception_surfaces_with_the_original_error(queue_class):
         def generate(self, prompt_ids, stop):
             raise Boom("generation exploded")
 
-    queue = queue_class(FailingBackend())
+    queue = queue_class(FailingBackend()).start()
     queue.publish(0, weights(0))
     queue.submit(0, [[1]], 0)
     with pytest.raises(ProducerError, match="generation exploded") as info:
@@ -177,7 +177,7 @@ def test_producer_exception_surfaces_with_the_original_error(queue_class):
 @pytest.mark.parametrize("state", ["idle", "mid-generation"])
 def test_close_stops_the_producer_promptly(state, queue_class):
     backend = FakeBackend()
-    queue = queue_class(backend)
+    queue = queue_class(backend).start()
     if state == "mid-generation":
         backend.block = True  # a generation that only the stop event ends
         queue.publish(0, weights(0))
@@ -192,7 +192,7 @@ def test_close_stops_the_producer_promptly(state, queue_class):
 
 
 def test_batches_are_submitted_and_taken_in_order():
-    queue = GenerationQueue(FakeBackend())
+    queue = GenerationQueue(FakeBackend()).start()
     try:
         queue.publish(0, weights(0))
         queue.submit(0, [[1]], 0)
@@ -220,7 +220,7 @@ def test_the_trainer_never_blocks_the_producer_outside_a_reference_swap():
             return dict(tensors)
 
     backend = SlowStage()
-    queue = GenerationQueue(backend)
+    queue = GenerationQueue(backend).start()
     try:
         publisher = threading.Thread(target=queue.publish, args=(0, weights(0)))
         publisher.start()
@@ -246,7 +246,7 @@ def test_close_leaves_the_backend_open_under_a_producer_that_does_not_stop():
             return super().generate(prompt_ids, stop)
 
     backend = Stuck()
-    queue = GenerationQueue(backend)
+    queue = GenerationQueue(backend).start()
     queue.publish(0, weights(0))
     queue.submit(0, [[1]], min_version=0)
     time.sleep(0.2)  # the producer is inside generate
@@ -259,7 +259,7 @@ def test_close_leaves_the_backend_open_under_a_producer_that_does_not_stop():
 def test_an_error_closing_the_queue_never_replaces_the_error_that_ended_training(tmp_path, tokenizer, prompt_dataset,
                                                                                   monkeypatch):
     from conftest import digit_reward, make_model
-    from test_trainer import COMMON
+    from conftest import COMMON
 
     from trl_a3po import A3POConfig, A3POTrainer
     from trl_a3po.rollout import InProcessBackend
@@ -351,7 +351,7 @@ def test_inflight_and_continuous_schedules_keep_every_token_on_its_version_withi
         token_delay, step_delay = rng.choice([(0.0005, 0.002), (0.002, 0.0002)])
         backend = TokenByTokenBackend(random.Random(seed + 1), server, token_delay)
         bound = StalenessBound(eta)
-        queue = queue_class(backend, inflight_weight_updates=inflight)
+        queue = queue_class(backend, inflight_weight_updates=inflight).start()
         try:
             for version, result in drive_like_the_trainer(queue, bound, num_batches, rows=4):
                 assert result.prompt_ids == [[version, i] for i in range(4)]

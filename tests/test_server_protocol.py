@@ -7,15 +7,14 @@ import time
 
 import pytest
 import torch
-from conftest import digit_reward, make_model
+from conftest import COMMON, digit_reward, make_model
 from standin_server import StandinServer
-from test_trainer import COMMON
 
 from trl_a3po import A3POConfig, A3POTrainer
 from trl_a3po.rollout import ProducerError
 from trl_a3po.rollout import vllm_server as vllm_module
 from trl_a3po.rollout.vllm_server import NCCLTransport, VLLMServerBackend, VLLMServerSetupError
-from trl_a3po.trainer import _hf_named_tensors
+from trl_a3po.rollout.policy_weights import _hf_named_tensors
 
 
 def train_against(server, tmp_path, tokenizer, dataset, **kwargs):
@@ -203,7 +202,7 @@ def test_auto_falls_back_to_merged_weights_with_the_reason_logged(tmp_path, toke
         trainer = lora_trainer(server, tmp_path, tokenizer, prompt_dataset, "auto", **lora_kwargs)
         trainer.train()
     assert re.search(r"lora_weight_sync='auto': sending merged weights, .*" + reason, caplog.text), caplog.text
-    assert not trainer._sends_adapter
+    assert not trainer._rollout.sends_adapter
     assert "/collective_rpc" in server.paths and "/v1/load_lora_adapter" not in server.paths
 
 
@@ -211,7 +210,7 @@ def test_auto_sends_the_adapter_where_the_server_serves_it(tmp_path, tokenizer, 
     with StandinServer(lora=True) as server:
         trainer = lora_trainer(server, tmp_path, tokenizer, prompt_dataset, "auto")
         trainer.train()
-    assert trainer._sends_adapter
+    assert trainer._rollout.sends_adapter
     assert "/v1/load_lora_adapter" in server.paths and "/collective_rpc" not in server.paths
 
 

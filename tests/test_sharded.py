@@ -13,11 +13,11 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from conftest import digit_reward, free_port, make_model, make_tokenizer
-from test_trainer import COMMON
+from conftest import COMMON, digit_reward, free_port, make_model, make_tokenizer
 
+from trl_a3po.rollout.policy_weights import policy_tensors
 from trl_a3po import A3POConfig, A3POTrainer
-from trl_a3po.trainer import _hf_named_tensors
+from trl_a3po.rollout.policy_weights import _hf_named_tensors
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -138,7 +138,7 @@ def test_peft_on_sharded_parameters_is_refused_before_the_model_is_loaded(tmp_pa
 
 
 def test_zero3_weights_are_gathered_one_parameter_at_a_time_and_every_gather_runs(tokenizer):
-    # What `_full_policy_tensors` does under ZeRO-3, with a gather that records how many parameters are whole at once
+    # What `policy_tensors` does under ZeRO-3, with a gather that records how many parameters are whole at once
     # (DeepSpeed's is a collective: every process must run every gather, in the same order).
     model = make_model(tokenizer)  # tied: lm_head.weight is the embedding
     whole_now, gathered = set(), []
@@ -154,7 +154,7 @@ def test_zero3_weights_are_gathered_one_parameter_at_a_time_and_every_gather_run
     trainer = SimpleNamespace(accelerator=SimpleNamespace(unwrap_model=lambda m: m), model=model,
                               _dist=SimpleNamespace(is_zero3=True, gather_params=gather))
     expected = model.state_dict()
-    with A3POTrainer._full_policy_tensors(trainer) as named_tensors:
+    with policy_tensors(trainer) as named_tensors:
         got = {name: tensor.clone() for name, tensor in named_tensors}
     assert list(got) == list(expected)  # every entry, the tied lm_head included, in the state dict's order
     assert all(torch.equal(got[name], expected[name]) for name in expected)
@@ -162,7 +162,7 @@ def test_zero3_weights_are_gathered_one_parameter_at_a_time_and_every_gather_run
     # A consumer that stops early (a failed staging copy) still runs every gather: the other processes are in them.
     gathered.clear()
     with pytest.raises(RuntimeError, match="staging failed"):
-        with A3POTrainer._full_policy_tensors(trainer) as named_tensors:
+        with policy_tensors(trainer) as named_tensors:
             next(named_tensors)
             raise RuntimeError("staging failed")
     assert len(gathered) == len(dict(model.named_parameters(remove_duplicate=False)))

@@ -5,25 +5,13 @@ import threading
 
 import pytest
 import torch
-from conftest import digit_reward, make_model
+from conftest import COMMON, digit_reward, logged, make_model
 from transformers import GenerationConfig, Qwen2ForCausalLM
 from trl import GRPOConfig, GRPOTrainer
 
 from trl_a3po import A3POConfig, A3POTrainer
 from trl_a3po.rollout import generate_with_behavior_logprobs
 
-COMMON = dict(
-    per_device_train_batch_size=4,
-    num_generations=4,
-    max_completion_length=8,
-    logging_steps=1,
-    report_to="none",
-    use_cpu=True,
-    save_strategy="no",
-    seed=0,
-    learning_rate=1e-3,
-    bf16=False,  # transformers 5 defaults to bf16 autocast, even on CPU: fp32 keeps the checks tight
-)
 
 
 def make_trainer(tmp_path, tokenizer, dataset, trainer_cls=A3POTrainer, config_cls=A3POConfig, model=None, **kwargs):
@@ -51,8 +39,6 @@ def count_logp_forwards(monkeypatch):
     return counts
 
 
-def logged(trainer, key):
-    return [h[key] for h in trainer.state.log_history if key in h]
 
 
 def handmade_batch(trainer, seed=0, behav_noise=0.3):

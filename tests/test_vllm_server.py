@@ -12,24 +12,25 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import (
+    COMMON,
+    VersionRecorder,
+    check_behaviour_logprobs_against_versions,
+    check_ranks_follow_the_synchronous_shards,
     digit_reward,
     free_port,
     generate_two_versions_ahead,
+    launch,
+    logged,
     make_tokenizer,
     producer_threads,
-    require_deepspeed,
-)
-from test_async import (
-    VersionRecorder,
-    check_behaviour_logprobs_against_versions,
     record_trained_samples,
+    require_deepspeed,
     slow_generation,
     wait_for_the_next_version,
 )
-from test_accelerate import check_ranks_follow_the_synchronous_shards, launch
-from test_trainer import COMMON, logged
 from transformers import AutoModelForCausalLM, Qwen2Config, TrainerCallback
 
+from trl_a3po.rollout.policy_weights import policy_tensors
 from trl_a3po import A3POConfig, A3POTrainer
 from trl_a3po.rollout import GenerationQueue, ProducerError
 from local_vllm import local_vllm_server
@@ -121,7 +122,7 @@ def test_disk_sync_makes_the_server_match_the_trainers_weights(tmp_path, vllm_se
         for p in trainer.model.parameters():
             p.add_(0.05 * torch.randn_like(p))
     assert server_vs_trainer_logprob_error(backend, trainer, prompt) > 1e-2  # the server still has the old weights
-    with trainer._full_policy_tensors() as tensors:
+    with policy_tensors(trainer) as tensors:
         seconds = backend.load(backend.stage(tensors))
     assert seconds > 0
     assert server_vs_trainer_logprob_error(backend, trainer, prompt) < 1e-4
@@ -334,7 +335,7 @@ def test_lora_adapter_sync_loads_one_adapter_per_version_and_never_the_base_weig
     assert traffic["most_at_once"] <= args.max_staleness + 2
     # every sample's behaviour log-probs = base model + the adapter of its recorded version
     assert check_behaviour_logprobs_against_versions(trainer, versions, samples, atol=1e-3) == 8 * 4
-    assert trainer._sends_adapter
+    assert trainer._rollout.sends_adapter
 
 
 def test_two_processes_share_a_lora_server_with_one_adapter_per_version(tmp_path, vllm_lora_server,

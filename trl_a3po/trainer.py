@@ -20,29 +20,24 @@ for every optimizer step of that training step, so the proximal anchor never mov
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import copy
 import functools
-import itertools
 import os
 import textwrap
 import time
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-import datasets
 import torch
-from accelerate.data_loader import BatchSamplerShard, prepare_data_loader
-from accelerate.utils import broadcast_object_list, is_peft_model
-from torch.utils.data import BatchSampler, DataLoader
+from accelerate.utils import is_peft_model
 from transformers import TrainerCallback
 from trl import GRPOTrainer
 from trl.extras.profiling import profiling_context
 from trl.models.utils import disable_gradient_checkpointing, unwrap_model_for_generation
-from trl.trainer.utils import get_config_model_id, nanmax, nanmin, repeat_iterable_dataset, split_tensor_dict
+from trl.trainer.utils import get_config_model_id, nanmax, nanmin, split_tensor_dict
 
 from .config import A3POConfig
 from .proximal import (
@@ -54,15 +49,9 @@ from .proximal import (
     decoupled_ppo_loss,
     staleness_alpha,
 )
-from .rollout import (
-    ContinuousGenerationQueue,
-    GenerationQueue,
-    InProcessBackend,
-    ProducerError,
-    StalenessBound,
-    build_whole_snapshot,
-    generate_with_behavior_logprobs,
-)
+from .rollout import generate_with_behavior_logprobs
+from .rollout.async_rollout import AsyncRollout
+from .rollout.policy_weights import PEFT_ON_SHARDS
 
 if TYPE_CHECKING:  # the signature's types, as GRPOTrainer's
     from datasets import Dataset, DatasetDict, IterableDataset, IterableDatasetDict
@@ -70,11 +59,64 @@ if TYPE_CHECKING:  # the signature's types, as GRPOTrainer's
     from transformers import BitsAndBytesConfig, PreTrainedModel, PreTrainedTokenizerBase, ProcessorMixin
     from trl.trainer.grpo_trainer import EnvironmentFactory, RewardFunc, RolloutFunc
 
-_PEFT_ON_SHARDS = (
-    "async_generation=True with a PEFT adapter on sharded parameters (FSDP or DeepSpeed ZeRO-3) is not supported (the "
-    "merged weights would have to be built from shards); set async_generation=False, or train the adapter with DDP / "
-    "ZeRO-2 (a LoRA model fits on one GPU)."
-)
+
+def _check_supported(args: A3POConfig, given: dict) -> None:
+    """Every refusal of GRPOTrainer's arguments, before any model work (loading, PEFT, Accelerate wrapping), each
+    naming what to change; `given` is GRPOTrainer's arguments. (A3POConfig's own fields: its `__post_init__`.)"""
+    dataset = given.get("train_dataset")
+    images = set(getattr(dataset, "column_names", None) or []) & {"image", "images"}
+    if images and args.use_decoupled_loss:
+        raise ValueError(
+            "A3POTrainer's decoupled loss is text-only: the image inputs of this dataset (its "
+            f"{sorted(images)} column) would be dropped from the loss and the proximal forward, training a different "
+            "policy than the one that generated. Set use_decoupled_loss=False (GRPOTrainer's own loss) for "
+            "vision-language models, or drop the image column."
+        )
+    if args.async_generation:
+        _check_supported_async(args, given, images)
+    _check_train_dataset(args, dataset)
+
+
+def _check_supported_async(args: A3POConfig, given: dict, images: set) -> None:
+    if given.get("tools") or given.get("rollout_func") is not None or given.get("environment_factory") is not None:
+        raise ValueError(
+            "async_generation=True supports single-turn text prompts; tools, environment_factory and rollout_func "
+            "need async_generation=False."
+        )
+    if images:
+        raise ValueError(
+            f"async_generation=True generates from text prompts alone: this dataset's {sorted(images)} column would "
+            "never reach the generator. Set async_generation=False for vision-language models."
+        )
+    # Sharded parameters, as far as can be told before the Accelerator exists: `accelerate launch` exports its FSDP
+    # and DeepSpeed settings as environment variables; TrainingArguments has its own `fsdp` field. (`__init__`
+    # checks again once Accelerate knows the setup.)
+    sharded = (
+        os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
+        or bool(args.fsdp)
+        or os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE") == "3"
+    )
+    model = given.get("model")
+    peft_model = isinstance(model, torch.nn.Module) and is_peft_model(model)  # not a name or path: already loaded
+    if sharded and (given.get("peft_config") is not None or peft_model):
+        raise ValueError(PEFT_ON_SHARDS)
+    peft_config = given.get("peft_config") or (model.peft_config if peft_model else None)
+    if peft_config is None:
+        return
+    if args.lora_weight_sync == "adapter":
+        from .rollout.vllm_server import adapter_unservable_reason
+
+        reason = adapter_unservable_reason(peft_config if isinstance(peft_config, dict) else {"default": peft_config})
+        if reason:
+            raise ValueError(f"lora_weight_sync='adapter' cannot serve {reason}; set lora_weight_sync='auto' (merged "
+                             "weights for such a policy) or 'merged'.")
+    unservable = _adapter_the_generator_cannot_run(peft_config)
+    if unservable:
+        raise ValueError(
+            f"async_generation=True generates with the policy's merged weights, which cannot represent {unservable}: "
+            "the generator would run a different policy than the one trained. Use a plain LoRA adapter, or set "
+            "async_generation=False."
+        )
 
 
 def _check_train_dataset(config: A3POConfig, dataset) -> None:
@@ -104,18 +146,6 @@ def _check_train_dataset(config: A3POConfig, dataset) -> None:
             )
 
 
-def _refuse_multimodal_with_the_decoupled_loss(given: dict) -> None:
-    dataset = given.get("train_dataset")
-    columns = set(getattr(dataset, "column_names", None) or [])
-    if columns & {"image", "images"}:
-        raise ValueError(
-            "A3POTrainer's decoupled loss is text-only: the image inputs of this dataset (its "
-            f"{sorted(columns & {'image', 'images'})} column) would be dropped from the loss and the proximal forward, "
-            "training a different policy than the one that generated. Set use_decoupled_loss=False (GRPOTrainer's "
-            "own loss) for vision-language models, or drop the image column."
-        )
-
-
 def _adapter_the_generator_cannot_run(peft_config) -> str | None:
     """What of a PEFT config the generator's merged export (W + scale * B @ A, PEFT's own `get_delta_weight`) would not
     reproduce, named; None when every adapter is a plain LoRA."""
@@ -130,47 +160,6 @@ def _adapter_the_generator_cannot_run(peft_config) -> str | None:
         if getattr(config, "lora_bias", False):
             return "LoRA with lora_bias=True (the bias delta is not part of the LoRA weight delta)"
     return None
-
-
-def _refuse_unsupported_async(config: A3POConfig, given: dict) -> None:
-    """What asynchronous generation cannot do, named with the fields to change; `given` is GRPOTrainer's arguments."""
-    if given.get("tools") or given.get("rollout_func") is not None or given.get("environment_factory") is not None:
-        raise ValueError(
-            "async_generation=True supports single-turn text prompts; tools, environment_factory and rollout_func "
-            "need async_generation=False."
-        )
-    images = set(getattr(given.get("train_dataset"), "column_names", None) or []) & {"image", "images"}
-    if images:
-        raise ValueError(
-            f"async_generation=True generates from text prompts alone: this dataset's {sorted(images)} column would "
-            "never reach the generator. Set async_generation=False for vision-language models."
-        )
-    # Sharded parameters, as far as can be told before the Accelerator exists: `accelerate launch` exports its FSDP
-    # and DeepSpeed settings as environment variables; TrainingArguments has its own `fsdp` field.
-    sharded = (
-        os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
-        or bool(config.fsdp)
-        or os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE") == "3"
-    )
-    model = given.get("model")
-    peft_model = isinstance(model, torch.nn.Module) and is_peft_model(model)  # not a name or path: already loaded
-    if sharded and (given.get("peft_config") is not None or peft_model):
-        raise ValueError(_PEFT_ON_SHARDS)
-    peft_config = given.get("peft_config") or (model.peft_config if peft_model else None)
-    if peft_config is not None and config.lora_weight_sync == "adapter":
-        from .rollout.vllm_server import adapter_unservable_reason
-
-        reason = adapter_unservable_reason(peft_config if isinstance(peft_config, dict) else {"default": peft_config})
-        if reason:
-            raise ValueError(f"lora_weight_sync='adapter' cannot serve {reason}; set lora_weight_sync='auto' (merged "
-                             "weights for such a policy) or 'merged'.")
-    unservable = _adapter_the_generator_cannot_run(peft_config) if peft_config is not None else None
-    if unservable:
-        raise ValueError(
-            f"async_generation=True generates with the policy's merged weights, which cannot represent {unservable}: "
-            "the generator would run a different policy than the one trained. Use a plain LoRA adapter, or set "
-            "async_generation=False."
-        )
 
 
 @dataclass
@@ -275,12 +264,7 @@ class A3POTrainer(GRPOTrainer):
             raise TypeError(f"A3POTrainer needs an A3POConfig as `args`, got {type(args).__name__}.")
         given = dict(model=model, train_dataset=train_dataset, peft_config=peft_config, tools=tools,
                      rollout_func=rollout_func, environment_factory=environment_factory)
-        # Refuse what cannot work before any model work (loading, PEFT, Accelerate wrapping).
-        if args.use_decoupled_loss:
-            _refuse_multimodal_with_the_decoupled_loss(given)
-        if args.async_generation:
-            _refuse_unsupported_async(args, given)
-        _check_train_dataset(args, train_dataset)
+        _check_supported(args, given)  # before any model work
         super().__init__(
             model, reward_funcs, args=args, train_dataset=train_dataset, eval_dataset=eval_dataset,
             processing_class=processing_class, reward_processing_classes=reward_processing_classes,
@@ -297,17 +281,13 @@ class A3POTrainer(GRPOTrainer):
         self._train_start = time.perf_counter()
         # The one channel between our hooks while TRL scores a generation batch (see `_Scoring`).
         self._scoring: _Scoring | None = None
-        # Asynchronous generation: built at the first training batch, closed when training ends.
-        self._queue: GenerationQueue | None = None  # on the processes that run a producer (see `_runs_producer`)
-        self._bound: StalenessBound | None = None  # set on every process once generation has started
-        self._prompt_plans = None  # per process served: iterator over its future generation batches, sampler order
-        self._submitted = 0  # generation batches handed to the producer so far
-        self._sends_adapter = False  # the vLLM server gets the LoRA adapter alone (lora_weight_sync)
+        # Asynchronous generation, for one train() call: built and closed there, started at its first batch.
+        self._rollout: AsyncRollout | None = None
         self._deferred_metrics: list[tuple[str, str, torch.Tensor]] = []  # read once per optimizer step
         if self.args.async_generation:
             # The authoritative check, now that Accelerate knows the distributed setup (the early one reads env vars).
             if (self._dist.is_zero3 or self._dist.is_fsdp) and is_peft_model(self.accelerator.unwrap_model(self.model)):
-                raise ValueError(_PEFT_ON_SHARDS)
+                raise ValueError(PEFT_ON_SHARDS)
             self.add_callback(_ResumeAlignmentCallback(self))
 
     # ------------------------------------------------------------------ policy versions
@@ -330,171 +310,26 @@ class A3POTrainer(GRPOTrainer):
 
     def train(self, *args, **kwargs):
         self._train_start = time.perf_counter()  # for a3po/wall_time_s: reward vs wall-clock plots
+        if not self.args.async_generation:
+            return super().train(*args, **kwargs)
+        # The trainer side of asynchronous generation lives exactly as long as this call (see `AsyncRollout`).
+        self._rollout = AsyncRollout(self)
         try:
             result = super().train(*args, **kwargs)
         except BaseException:
             # The error that ended training is the one to report: a failure while closing is only a warning here.
             try:
-                self._close_queue()
+                self._close_rollout()
             except Exception as close_error:
                 warnings.warn(f"closing the generation queue also failed: {close_error!r}", RuntimeWarning,
                               stacklevel=2)
             raise
-        self._close_queue()
+        self._close_rollout()
         return result
 
-    def _close_queue(self) -> None:
-        queue, self._queue, self._prompt_plans, self._bound = self._queue, None, None, None
-        if queue is not None:
-            queue.close()
-
-    @property
-    def _runs_producer(self) -> bool:
-        """In-process generation: every process generates its own share on its own snapshot. A vLLM server: the main
-        process alone generates every process's share and hands each its part, so the server's weights have one
-        owner (one push per version, from one process) and no request is mid-generation during a push."""
-        return self.args.rollout_backend == "inprocess" or self.accelerator.is_main_process
-
-    @property
-    def _serves_other_processes(self) -> bool:
-        return self.args.rollout_backend == "vllm_server" and self.accelerator.num_processes > 1
-
-    def _generation_batches(self, start: int, process_index: int):
-        """One process's generation batches (dataset rows) in the synchronous trainer's order, from `start` on.
-
-        The same sampler, seed and Accelerate sharding as the training dataloader (which yields each generation batch
-        R = steps_per_generation * num_iterations times in a row); every process checks its share against it.
-        """
-        if isinstance(self.train_dataset, datasets.IterableDataset):
-            yield from self._streamed_generation_batches(start, process_index)
-            return
-        sampler = self._get_train_sampler()
-        per_process = self._train_batch_size * self.args.steps_per_generation
-        batches = BatchSamplerShard(
-            BatchSampler(sampler, per_process, drop_last=self.args.dataloader_drop_last),
-            num_processes=self.accelerator.num_processes,
-            process_index=process_index,
-            split_batches=False,
-            even_batches=self.accelerator.even_batches,
-        )
-        per_epoch = len(batches) // self._micro_steps_per_generation
-        if per_epoch == 0:
-            raise ValueError("the train dataset is smaller than one generation batch")
-        # Like the Trainer on resume: a fresh sampler, skipping the batches already consumed in the current epoch.
-        skip = start % per_epoch
-        index = start
-        for _epoch in itertools.count():
-            for position, indices in enumerate(batches):
-                if position % self._micro_steps_per_generation:
-                    continue  # a repeat of the generation batch just yielded
-                if skip:
-                    skip -= 1
-                    continue
-                yield index, [self.train_dataset[i] for i in indices]
-                index += 1
-
-    def _streamed_generation_batches(self, start: int, process_index: int):
-        """`_generation_batches` for an iterable dataset, which has no sampler to replay: a second reader of the same
-        stream. TRL's `get_train_dataloader` transform (buffered shuffle by seed, `repeat_iterable_dataset`), sharded
-        for `process_index` by Accelerate's own `prepare_data_loader` as the training dataloader is, one epoch after
-        another (`set_epoch` reshuffles, as the Trainer's epoch loop does). Batches already trained on resume are read
-        and skipped from the stream's start, as the Trainer skips them."""
-        dataset = self.train_dataset
-        if self.shuffle_dataset:
-            dataset = dataset.shuffle(seed=self.args.seed)
-        dataset = repeat_iterable_dataset(dataset, mini_repeat_count=self.num_generations,
-                                          batch_size=self.args.generation_batch_size // self.num_generations,
-                                          repeat_count=self._micro_steps_per_generation)
-        loader = prepare_data_loader(
-            DataLoader(dataset, batch_size=self._train_batch_size * self.args.steps_per_generation,
-                       collate_fn=self._get_collator_with_removed_columns(self.data_collator, description="Training")),
-            num_processes=self.accelerator.num_processes,
-            process_index=process_index,
-            split_batches=self.accelerator.split_batches,
-            even_batches=self.accelerator.even_batches,
-            dispatch_batches=False,  # TRL requires it for iterable datasets
-        )
-        index = 0
-        for epoch in itertools.count():
-            loader.set_epoch(epoch)
-            read = 0
-            for position, rows in enumerate(loader):
-                read += 1
-                if position % self._micro_steps_per_generation:
-                    continue  # a repeat of the generation batch just read
-                if index >= start:
-                    yield index, rows
-                index += 1
-            if read == 0:
-                raise ValueError("the train dataset streamed no complete generation batch")
-
-    def _start_queue(self, start: int) -> None:
-        self._bound = StalenessBound(self.args.max_staleness)
-        self._submitted = start
-        if not self._runs_producer:
-            return
-        if self.args.rollout_backend == "inprocess":
-            model = self.accelerator.unwrap_model(self.model)
-            base = model.get_base_model() if is_peft_model(model) else model
-            backend = InProcessBackend(
-                build_whole_snapshot(base, self.accelerator.device),
-                self.generation_config,
-                pad_token_id=self._tokenizer.pad_token_id,
-                eos_token_ids=list(self.eos_token_ids),
-            )
-            served = [self.accelerator.process_index]
-        else:
-            from .rollout.vllm_server import VLLMServerBackend
-
-            model = self.accelerator.unwrap_model(self.model)
-            backend = VLLMServerBackend.from_config(self.args, list(self.eos_token_ids),
-                                                    peft_configs=model.peft_config if is_peft_model(model) else None)
-            self._sends_adapter = backend.sync_mode == "adapter"
-            served = list(range(self.accelerator.num_processes))
-        queue_class = ContinuousGenerationQueue if self.args.continuous_generation else GenerationQueue
-        self._queue = queue_class(backend, sync_every=self.args.weight_sync_steps,
-                                  inflight_weight_updates=self.args.inflight_weight_updates)
-        self._prompt_plans = [self._generation_batches(start, p) for p in served]
-
-    @contextlib.contextmanager
-    def _generator_tensors(self):
-        """What the generator loads for a version, as (name, tensor) pairs: the LoRA adapter's own tensors (PEFT's saved
-        form) when it is sent to the server as an adapter, else the whole merged weights."""
-        if self._sends_adapter:
-            from peft import get_peft_model_state_dict
-
-            yield iter(get_peft_model_state_dict(self.accelerator.unwrap_model(self.model)).items())
-        else:
-            with self._full_policy_tensors() as named_tensors:
-                yield named_tensors
-
-    @contextlib.contextmanager
-    def _full_policy_tensors(self) -> Iterator[Iterator[tuple[str, torch.Tensor]]]:
-        """The policy's whole weights as (name, tensor) pairs under plain HF names, sharing the live storage (the
-        queue stages a copy of each as it comes); LoRA adapters merged (W + scale * B @ A) without touching the live
-        model. With sharded parameters every process must take every pair, in step: gathering is a collective.
-        Under ZeRO-3 one parameter is gathered at a time (as TRL does for vLLM), so the whole model is never
-        materialised on top of its shards."""
-        model = self.accelerator.unwrap_model(self.model)
-        if self._dist.is_zero3:
-            if is_peft_model(model):
-                raise ValueError(_PEFT_ON_SHARDS)
-            named_tensors = _gathered_one_by_one(model, self._dist.gather_params)
-            try:
-                yield named_tensors
-            finally:
-                # Every process runs every gather, also one whose consumer stopped early (a failed staging copy):
-                # the others would otherwise wait in a gather this one never joins.
-                collections.deque(named_tensors, maxlen=0)
-        elif self._dist.fsdp_version == 1:
-            from torch.distributed.fsdp import FullyShardedDataParallel
-
-            with FullyShardedDataParallel.summon_full_params(self.model_wrapped, writeback=False):
-                yield iter(_hf_named_tensors(model).items())
-        elif self._dist.fsdp_version == 2:
-            yield iter(_hf_named_tensors(model, gather_dtensors=True).items())
-        else:
-            yield iter(_hf_named_tensors(model).items())
+    def _close_rollout(self) -> None:
+        if self._rollout is not None:
+            self._rollout.close()  # (kept, closed, until the next train(): what it did can still be read)
 
     def _prepare_inputs(self, generation_batch):
         if not (self.args.async_generation and self.model.training):
@@ -513,81 +348,19 @@ class A3POTrainer(GRPOTrainer):
         return self._buffered_inputs[self._step % self.args.steps_per_generation]
 
     def _take_generated_batch(self, prompt_ids: list[list[int]]):
+        """The producer's batch for this training step, in place of generating it now; its per-token versions go to
+        scoring (`_Scoring`), its queue metrics to the logs."""
         index = self._step // self._micro_steps_per_generation
         version = self.policy_version
         if index != version:
             raise RuntimeError(f"generation batch {index} would be trained by policy version {version}; the trainer's "
                                "micro-step and optimizer-step counters disagree (a resume that changed the batch "
                                "layout?)")
-        share = None
-        try:
-            if self._bound is None:
-                self._start_queue(index)
-            # The start of training step `index`: every optimizer step of the previous one has run (under DeepSpeed
-            # too, whose step happens inside backward()), so the live weights are exactly version `index`. Publish
-            # them here, on the main thread of every process (gathering sharded parameters is a collective), then
-            # hand the producer every batch the staleness bound now allows.
-            if self._queue is not None or self._dist.is_zero3 or self._dist.is_fsdp:  # the gather needs every process
-                with self._generator_tensors() as named_tensors:
-                    if self._queue is not None:
-                        self._queue.publish(version, named_tensors)
-                    # (a process without a producer takes part in the gathers by draining them on leaving)
-            start = time.perf_counter()
-            if self._queue is not None:
-                share = self._produce(index, version)
-        except BaseException as error:
-            if self._serves_other_processes and self.accelerator.is_main_process:
-                # Tell the other processes before raising (a failed start, probe, publish or generation), or they
-                # would wait for their share until the collective times out.
-                broadcast_object_list([ProducerError(f"the main process's generation failed: {error!r}")])
-            raise
-        if self._serves_other_processes:
-            shares = broadcast_object_list([share])[0]  # every process takes its own part
-            if isinstance(shares, BaseException):
-                raise shares
-            share = shares[self.accelerator.process_index]
-        waited = time.perf_counter() - start
-        share_prompts, completion_ids, logprobs, versions, stats = share
-        if share_prompts != list(prompt_ids):
-            raise RuntimeError(
-                f"Generation batch {index}: the producer's prompts differ from the trainer's. The prompt order "
-                "diverged from the training dataloader's (a custom sampler or data collator?); set "
-                "async_generation=False."
-            )
-        self._scoring.behavior_versions = versions
-        metrics = self._metrics["train"]
-        metrics["a3po/queue/trainer_wait_s"].append(waited)
-        for key, value in stats.items():
-            metrics[key].append(value)
-        return completion_ids, logprobs
-
-    def _produce(self, index: int, version: int):
-        """On a producer process: submit what the bound allows, take batch `index`, and cut it into one share per
-        served process, each (prompt ids, completion ids, log-probs, versions, queue stats); the list of them when
-        serving every process, else this process's share."""
-        # Nothing past the last batch the run will train: generating it would only cost the generator time.
-        last_batch = -(-self.state.max_steps // self._optimizer_steps_per_version) - 1
-        while self._submitted <= min(self._bound.last_submittable(version), last_batch):
-            planned = [next(plan) for plan in self._prompt_plans]  # (index, rows) per served process
-            planned_index = planned[0][0]
-            prompt_ids = [ids for _, rows in planned for ids in self._tokenize_prompts([r["prompt"] for r in rows])[0]]
-            self._queue.submit(planned_index, prompt_ids, self._bound.min_version(planned_index))
-            self._submitted = planned_index + 1
-        result = self._queue.get(index)
-        batch = result.batch
-        stats = {
-            "a3po/queue/producer_idle_s": result.idle_s,
-            "a3po/queue/depth": self._queue.depth,
-            "a3po/gen/tokens_per_s": sum(map(len, batch.completion_ids)) / max(batch.generation_s, 1e-9),
-            "a3po/gen/weight_sync_s": batch.weight_sync_s,
-        }
-        size = len(result.prompt_ids) // len(self._prompt_plans)  # every process's share has the same size
-        shares = [
-            (result.prompt_ids[i : i + size], batch.completion_ids[i : i + size], batch.logprobs[i : i + size],
-             batch.versions[i : i + size], stats)
-            for i in range(0, len(result.prompt_ids), size)
-        ]
-        return shares if self._serves_other_processes else shares[0]
+        share = self._rollout.take(index, version, prompt_ids)
+        self._scoring.behavior_versions = share.versions
+        for key, value in share.stats.items():
+            self._metrics["train"][key].append(value)
+        return share.completion_ids, share.logprobs
 
     # ------------------------------------------------------------------ generation side
 
@@ -696,8 +469,8 @@ class A3POTrainer(GRPOTrainer):
     # ------------------------------------------------------------------ loss side
 
     def _compute_loss(self, model, inputs):
-        if self._queue is not None:
-            self._queue.raise_if_failed()  # a producer failure surfaces within one step, with its traceback
+        if self._rollout is not None:
+            self._rollout.raise_if_failed()  # a producer failure surfaces within one step, with its traceback
         loss = (self._decoupled_loss(model, inputs) if self.args.use_decoupled_loss
                 else super()._compute_loss(model, inputs))
         if self.model.training and self.accelerator.sync_gradients:
@@ -952,44 +725,6 @@ class A3POTrainer(GRPOTrainer):
             for d in range(buckets):
                 if per_bucket[d, 2] > 0:
                     metrics[f"a3po/prox_error/{method}/abs/d{d}"].append((per_bucket[d, 0] / per_bucket[d, 2]).item())
-
-
-def _hf_named_tensors(model, gather_dtensors: bool = False) -> dict[str, torch.Tensor]:
-    """A model's weights under the names of its plain HF architecture: PEFT's wrappers stripped and LoRA deltas merged
-    into copies (W + scale * B @ A); FSDP2's DTensor shards gathered (`full_tensor`, a collective) when asked."""
-
-    def whole(tensor):
-        return tensor.full_tensor() if gather_dtensors and hasattr(tensor, "full_tensor") else tensor
-
-    if not is_peft_model(model):
-        return {name: whole(tensor) for name, tensor in model.state_dict().items()}
-    from peft.tuners.lora import LoraLayer
-
-    base = model.get_base_model()
-    tensors = {}
-    for name, tensor in base.state_dict().items():
-        if "lora_" in name or ".original_module." in name:
-            continue
-        tensors[name.replace(".base_layer.", ".").replace(".modules_to_save.default.", ".")] = whole(tensor)
-    for module_name, module in base.named_modules():
-        if isinstance(module, LoraLayer) and not module.merged:
-            key = f"{module_name}.weight"
-            delta = sum(module.get_delta_weight(adapter) for adapter in module.active_adapters)
-            tensors[key] = tensors[key] + delta.to(tensors[key].dtype)
-    return tensors
-
-
-def _gathered_one_by_one(model, gather) -> Iterator[tuple[str, torch.Tensor]]:
-    """ZeRO-3: every entry of the model's state dict, each parameter gathered (`gather`, a collective) only while its
-    pair is being consumed. A tied parameter is gathered again under its second name."""
-    parameters = dict(model.named_parameters(remove_duplicate=False))
-    for name, tensor in model.state_dict().items():  # names, and whole buffers; parameters are empty placeholders
-        parameter = parameters.get(name)
-        if parameter is None:
-            yield name, tensor
-            continue
-        with gather([parameter]):
-            yield name, parameter.data
 
 
 def _take_rows(value, rows: torch.Tensor):

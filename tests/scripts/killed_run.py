@@ -16,9 +16,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests/ for conftest helpers
 
-from conftest import digit_reward, make_model, make_tokenizer  # noqa: E402
+from conftest import COMMON, digit_reward, make_model, make_tokenizer  # noqa: E402
 from datasets import Dataset  # noqa: E402
-from test_trainer import COMMON  # noqa: E402
 from transformers import TrainerCallback  # noqa: E402
 
 from trl_a3po import A3POConfig, A3POTrainer  # noqa: E402

@@ -27,9 +27,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests/ for conftest helpers
 
 import torch  # noqa: E402
-from conftest import digit_reward, make_model, make_tokenizer  # noqa: E402
 from datasets import Dataset  # noqa: E402
-from test_async import (  # noqa: E402
+from conftest import (  # noqa: E402
+    digit_reward,
+    make_model,
+    make_tokenizer,
     NEWER_VERSION_DUE,
     VersionRecorder,
     check_behaviour_logprobs_against_versions,
@@ -48,7 +50,7 @@ seen = []
 if mode.endswith("-continuous-inflight"):
     GenerationQueue._newer_version_due = wait_for_the_next_version
 elif inflight:
-    GenerationQueue._newer_version_due = lambda queue: time.sleep(0.02) or NEWER_VERSION_DUE(queue)
+    GenerationQueue._newer_version_due = lambda queue, *held: time.sleep(0.02) or NEWER_VERSION_DUE(queue, *held)
 
 
 def recorded_reward(prompts, completions, **kwargs):

@@ -28,6 +28,7 @@ like any producer failure.
 
 from __future__ import annotations
 
+import functools
 import queue
 import threading
 import time
@@ -75,9 +76,9 @@ class ContinuousGenerationQueue(GenerationQueue):
     """A `GenerationQueue` whose submitted batches are all generated at once (see the module docstring)."""
 
     def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
         self._wake = threading.Event()  # set by submit, publish, close and every stream that ends
         self._pause = threading.Event()  # set: running streams stop between two tokens (a version must load)
-        super().__init__(*args, **kwargs)
 
     def publish(self, version, named_tensors) -> None:
         super().publish(version, named_tensors)
@@ -167,8 +168,9 @@ class ContinuousGenerationQueue(GenerationQueue):
         prompts = [batch.request.prompt_ids[i] + batch.ids[i] for batch, i in stream.rows]
         generated = [len(batch.ids[i]) for batch, i in stream.rows]
         self._doing = f"generating batches {[b.request.index for b in batches]} with version {stream.version}"
-        # With in-flight updates a stream also stops when a newer version is due; without, it runs to its end.
-        due = self._newer_version_due if self._inflight else (lambda: False)
+        # With in-flight updates a stream also stops when a newer version is due; without, it runs to its end. The
+        # stream thread compares with its own version: `_held_version` is the coordinator's.
+        due = functools.partial(self._newer_version_due, stream.version) if self._inflight else (lambda: False)
 
         def interrupt() -> bool:
             return self._pause.is_set() or due()

@@ -123,14 +123,18 @@ class GenerationQueue:
         self._results: queue.SimpleQueue[GenerationResult | _Failure] = queue.SimpleQueue()
         self._weights_lock = threading.Lock()  # guards `_published` only
         self._published: tuple[int, dict] | None = None
-        self._held_version = -1  # producer thread only: the version the backend generates with
+        self._held_version = -1  # producer thread only (streams are handed theirs): the version the backend holds
         self._next_submit: int | None = None
         self._next_get: int | None = None
         self._error: BaseException | None = None
         self._doing = "starting"  # producer thread: what it is doing, for the failure's message
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+
+    def start(self) -> GenerationQueue:
+        """Start the producer thread; `close()` stops it. Returns the queue."""
         self._thread.start()
+        return self
 
     # -------------------------------------------------------------- trainer side (main thread)
 
@@ -190,7 +194,7 @@ class GenerationQueue:
         """Stop the producer (a generation in progress is abandoned at its next token) and release the backend."""
         self._stop.set()
         self._requests.put(None)  # wakes a producer waiting for a request
-        if threading.current_thread() is not self._thread:
+        if self._thread.ident is not None and threading.current_thread() is not self._thread:
             self._thread.join(timeout)
             if self._thread.is_alive():
                 # Raising here would hide the error that ended training; the thread is a daemon either way. The
@@ -251,11 +255,12 @@ class GenerationQueue:
                 return ids, logprobs, versions, switch_s
             switch_s += self._load_weights_for(request.min_version)
 
-    def _newer_version_due(self) -> bool:
-        """Whether `_load_weights_for` would load now (the producer holds a version at least `sync_every` old)."""
+    def _newer_version_due(self, held_version: int | None = None) -> bool:
+        """Whether `_load_weights_for` would load now: the version generated with (`held_version`, which a stream
+        thread passes as its own; else the producer thread's `_held_version`) is at least `sync_every` old."""
         with self._weights_lock:
             version = self._published[0]
-        return version - self._held_version >= self._sync_every
+        return version - (self._held_version if held_version is None else held_version) >= self._sync_every
 
     def _load_weights_for(self, min_version: int) -> float:
         with self._weights_lock:

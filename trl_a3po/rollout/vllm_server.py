@@ -110,7 +110,12 @@ class VLLMServerBackend:
         self.transport = transport
         self.sampling = sampling
         self.timeout = (connect_timeout_s, timeout_s)  # requests: (connect, longest silence while reading)
-        self.session = requests.Session()  # no retries: an unreachable server must fail fast, not back off
+        # One requests.Session per thread that talks to the server (the producer, continuous generation's stream
+        # threads): requests does not promise a Session is thread-safe. No retries: an unreachable server must fail
+        # fast, not back off. `_sessions_lock` guards `_sessions` (every one opened, for close()).
+        self._thread_session = threading.local()
+        self._sessions: list[requests.Session] = []
+        self._sessions_lock = threading.Lock()
         try:
             response = self.session.get(f"{self.base_url}/health", timeout=connect_timeout_s)
             response.raise_for_status()
@@ -181,6 +186,16 @@ class VLLMServerBackend:
                                      extra=NCCL_FLAG if self.transport.name == "nccl" else "")
 
     # -------------------------------------------------------------- HTTP
+
+    @property
+    def session(self) -> requests.Session:
+        """The calling thread's session (see `__init__`)."""
+        session = getattr(self._thread_session, "session", None)
+        if session is None:
+            session = self._thread_session.session = requests.Session()
+            with self._sessions_lock:
+                self._sessions.append(session)
+        return session
 
     def _request(self, doing: str, method: str, path: str, **kwargs) -> dict:
         """One request; any failure becomes a `VLLMServerError` naming the server and what was being done."""
@@ -421,7 +436,10 @@ class VLLMServerBackend:
 
     def close(self) -> None:
         self.transport.close()
-        self.session.close()
+        with self._sessions_lock:
+            sessions, self._sessions = self._sessions, []
+        for session in sessions:
+            session.close()
 
 
 class DiskTransport:

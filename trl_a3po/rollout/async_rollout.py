@@ -1,0 +1,265 @@
+"""The trainer side of asynchronous generation: one `AsyncRollout` per `A3POTrainer.train()` call, on every process.
+
+Its lifetime, in `A3POTrainer.train`: built before TRL's training loop, started by its first `take` (the first batch
+index is known only once a resumed checkpoint is loaded), closed when `train()` ends, however it ends. It owns the
+queue (on the processes that run a producer), the staleness bound, the prompt plans, publishing, submission, the
+hand-out of every process's share and the prompt check. It runs on the trainer's main thread only, so its fields need
+no lock; the queue's threads are the producer side (`queue.py`, `continuous.py`).
+
+Where a batch's versions come from: `take(k)` publishes version k (the live weights), submits every batch the bound
+admits, and returns batch k as the producer generated it, each completion token tagged with the version that sampled it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import time
+from dataclasses import dataclass
+
+import datasets
+from accelerate.data_loader import BatchSamplerShard, prepare_data_loader
+from accelerate.utils import broadcast_object_list, is_peft_model
+from torch.utils.data import BatchSampler, DataLoader
+from trl.trainer.utils import repeat_iterable_dataset
+
+from .continuous import ContinuousGenerationQueue
+from .inprocess import InProcessBackend, build_whole_snapshot
+from .policy_weights import policy_tensors
+from .queue import GenerationQueue, ProducerError, StalenessBound
+
+
+@dataclass
+class GeneratedShare:
+    """One process's part of one generation batch, in the trainer's row order."""
+
+    prompt_ids: list[list[int]]
+    completion_ids: list[list[int]]
+    logprobs: list[list[float]]  # per completion token: the behaviour log-prob, from the sampled distribution
+    versions: list[list[int]]  # per completion token: the policy version that sampled it
+    stats: dict[str, float]  # queue metrics for this batch, under their logged names
+
+
+class AsyncRollout:
+    """Generation ahead of `trainer` (an A3POTrainer) within its staleness bound; see the module's docstring."""
+
+    def __init__(self, trainer):
+        self.trainer = trainer
+        self.args = trainer.args
+        self.accelerator = trainer.accelerator
+        # All fields below: the trainer's main thread only.
+        self.queue: GenerationQueue | None = None  # on the processes that run a producer (`runs_producer`)
+        self.bound: StalenessBound | None = None  # on every process, once started
+        self.plans = None  # per process served: iterator over its future generation batches, in sampler order
+        self.submitted = 0  # generation batches handed to the producer so far
+        self.sends_adapter = False  # the vLLM server gets the LoRA adapter alone (lora_weight_sync)
+
+    @property
+    def runs_producer(self) -> bool:
+        """In-process generation: every process generates its own share on its own snapshot. A vLLM server: the main
+        process alone generates every process's share and hands each its part, so the server's weights have one
+        owner (one push per version, from one process) and no request is mid-generation during a push."""
+        return self.args.rollout_backend == "inprocess" or self.accelerator.is_main_process
+
+    @property
+    def serves_other_processes(self) -> bool:
+        return self.args.rollout_backend == "vllm_server" and self.accelerator.num_processes > 1
+
+    # ------------------------------------------------------------------ lifetime
+
+    def start(self, first_index: int) -> None:
+        """Build the backend and the queue (producer processes), start the producer, plan prompts from `first_index`."""
+        trainer = self.trainer
+        self.bound = StalenessBound(self.args.max_staleness)
+        self.submitted = first_index
+        if not self.runs_producer:
+            return
+        model = self.accelerator.unwrap_model(trainer.model)
+        if self.args.rollout_backend == "inprocess":
+            base = model.get_base_model() if is_peft_model(model) else model
+            backend = InProcessBackend(
+                build_whole_snapshot(base, self.accelerator.device),
+                trainer.generation_config,
+                pad_token_id=trainer._tokenizer.pad_token_id,
+                eos_token_ids=list(trainer.eos_token_ids),
+            )
+            served = [self.accelerator.process_index]
+        else:
+            from .vllm_server import VLLMServerBackend
+
+            backend = VLLMServerBackend.from_config(self.args, list(trainer.eos_token_ids),
+                                                    peft_configs=model.peft_config if is_peft_model(model) else None)
+            self.sends_adapter = backend.sync_mode == "adapter"
+            served = list(range(self.accelerator.num_processes))
+        queue_class = ContinuousGenerationQueue if self.args.continuous_generation else GenerationQueue
+        self.queue = queue_class(backend, sync_every=self.args.weight_sync_steps,
+                                 inflight_weight_updates=self.args.inflight_weight_updates)
+        self.queue.start()
+        self.plans = [self._generation_batches(first_index, p) for p in served]
+
+    def close(self) -> None:
+        queue, self.queue, self.plans = self.queue, None, None
+        if queue is not None:
+            queue.close()
+
+    def raise_if_failed(self) -> None:
+        if self.queue is not None:
+            self.queue.raise_if_failed()
+
+    # ------------------------------------------------------------------ one call per training step
+
+    def take(self, index: int, version: int, prompt_ids: list[list[int]]) -> GeneratedShare:
+        """Batch `index`, this process's share, at the start of training step `index` (the live weights are version
+        `version`). Every process calls it at the same step: publishing sharded weights and handing out shares are
+        collectives."""
+        share = None
+        try:
+            if self.bound is None:
+                self.start(index)
+            # Every optimizer step of the previous training step has run (under DeepSpeed too, whose step happens
+            # inside backward()), so the live weights are exactly version `index`. Publish them here, on the main
+            # thread of every process (gathering sharded parameters is a collective), then hand the producer every
+            # batch the staleness bound now allows.
+            dist = self.trainer._dist
+            if self.queue is not None or dist.is_zero3 or dist.is_fsdp:  # the gather needs every process
+                with self._generator_tensors() as named_tensors:
+                    if self.queue is not None:
+                        self.queue.publish(version, named_tensors)
+                    # (a process without a producer takes part in the gathers by draining them on leaving)
+            start = time.perf_counter()
+            if self.queue is not None:
+                share = self._produce(index, version)
+        except BaseException as error:
+            if self.serves_other_processes and self.accelerator.is_main_process:
+                # Tell the other processes before raising (a failed start, probe, publish or generation), or they
+                # would wait for their share until the collective times out.
+                broadcast_object_list([ProducerError(f"the main process's generation failed: {error!r}")])
+            raise
+        if self.serves_other_processes:
+            shares = broadcast_object_list([share])[0]  # every process takes its own part
+            if isinstance(shares, BaseException):
+                raise shares
+            share = shares[self.accelerator.process_index]
+        share.stats["a3po/queue/trainer_wait_s"] = time.perf_counter() - start
+        if share.prompt_ids != list(prompt_ids):
+            raise RuntimeError(
+                f"Generation batch {index}: the producer's prompts differ from the trainer's. The prompt order "
+                "diverged from the training dataloader's (a custom sampler or data collator?); set "
+                "async_generation=False."
+            )
+        return share
+
+    def _produce(self, index: int, version: int):
+        """On a producer process: submit what the bound allows, take batch `index`, and cut it into one share per
+        served process; the list of them when serving every process, else this process's share."""
+        # Nothing past the last batch the run will train: generating it would only cost the generator time.
+        last_batch = -(-self.trainer.state.max_steps // self.trainer._optimizer_steps_per_version) - 1
+        while self.submitted <= min(self.bound.last_submittable(version), last_batch):
+            planned = [next(plan) for plan in self.plans]  # (index, rows) per served process
+            planned_index = planned[0][0]
+            prompt_ids = [ids for _, rows in planned
+                          for ids in self.trainer._tokenize_prompts([r["prompt"] for r in rows])[0]]
+            self.queue.submit(planned_index, prompt_ids, self.bound.min_version(planned_index))
+            self.submitted = planned_index + 1
+        result = self.queue.get(index)
+        batch = result.batch
+        stats = {
+            "a3po/queue/producer_idle_s": result.idle_s,
+            "a3po/queue/depth": self.queue.depth,
+            "a3po/gen/tokens_per_s": sum(map(len, batch.completion_ids)) / max(batch.generation_s, 1e-9),
+            "a3po/gen/weight_sync_s": batch.weight_sync_s,
+        }
+        size = len(result.prompt_ids) // len(self.plans)  # every process's share has the same size
+        shares = [
+            GeneratedShare(result.prompt_ids[i : i + size], batch.completion_ids[i : i + size],
+                           batch.logprobs[i : i + size], batch.versions[i : i + size], dict(stats))
+            for i in range(0, len(result.prompt_ids), size)
+        ]
+        return shares if self.serves_other_processes else shares[0]
+
+    @contextlib.contextmanager
+    def _generator_tensors(self):
+        """What the generator loads for a version, as (name, tensor) pairs: the LoRA adapter's own tensors (PEFT's saved
+        form) when it is sent to the server as an adapter, else the whole merged weights."""
+        if self.sends_adapter:
+            from peft import get_peft_model_state_dict
+
+            yield iter(get_peft_model_state_dict(self.accelerator.unwrap_model(self.trainer.model)).items())
+        else:
+            with policy_tensors(self.trainer) as named_tensors:
+                yield named_tensors
+
+    # ------------------------------------------------------------------ prompt plans
+
+    def _generation_batches(self, start: int, process_index: int):
+        """One process's generation batches (dataset rows) in the synchronous trainer's order, from `start` on.
+
+        The same sampler, seed and Accelerate sharding as the training dataloader (which yields each generation batch
+        R = steps_per_generation * num_iterations times in a row); every process checks its share against it.
+        """
+        trainer = self.trainer
+        if isinstance(trainer.train_dataset, datasets.IterableDataset):
+            yield from self._streamed_generation_batches(start, process_index)
+            return
+        repeats = trainer._micro_steps_per_generation
+        batches = BatchSamplerShard(
+            BatchSampler(trainer._get_train_sampler(), trainer._train_batch_size * self.args.steps_per_generation,
+                         drop_last=self.args.dataloader_drop_last),
+            num_processes=self.accelerator.num_processes,
+            process_index=process_index,
+            split_batches=False,
+            even_batches=self.accelerator.even_batches,
+        )
+        per_epoch = len(batches) // repeats
+        if per_epoch == 0:
+            raise ValueError("the train dataset is smaller than one generation batch")
+        # Like the Trainer on resume: a fresh sampler, skipping the batches already consumed in the current epoch.
+        skip = start % per_epoch
+        index = start
+        for _epoch in itertools.count():
+            for position, indices in enumerate(batches):
+                if position % repeats:
+                    continue  # a repeat of the generation batch just yielded
+                if skip:
+                    skip -= 1
+                    continue
+                yield index, [trainer.train_dataset[i] for i in indices]
+                index += 1
+
+    def _streamed_generation_batches(self, start: int, process_index: int):
+        """`_generation_batches` for an iterable dataset, which has no sampler to replay: a second reader of the same
+        stream. TRL's `get_train_dataloader` transform (buffered shuffle by seed, `repeat_iterable_dataset`), sharded
+        for `process_index` by Accelerate's own `prepare_data_loader` as the training dataloader is, one epoch after
+        another (`set_epoch` reshuffles, as the Trainer's epoch loop does). Batches already trained on resume are read
+        and skipped from the stream's start, as the Trainer skips them."""
+        trainer = self.trainer
+        repeats = trainer._micro_steps_per_generation
+        dataset = trainer.train_dataset
+        if trainer.shuffle_dataset:
+            dataset = dataset.shuffle(seed=self.args.seed)
+        dataset = repeat_iterable_dataset(dataset, mini_repeat_count=trainer.num_generations,
+                                          batch_size=self.args.generation_batch_size // trainer.num_generations,
+                                          repeat_count=repeats)
+        collate = trainer._get_collator_with_removed_columns(trainer.data_collator, description="Training")
+        loader = prepare_data_loader(
+            DataLoader(dataset, batch_size=trainer._train_batch_size * self.args.steps_per_generation,
+                       collate_fn=collate),
+            num_processes=self.accelerator.num_processes,
+            process_index=process_index,
+            split_batches=self.accelerator.split_batches,
+            even_batches=self.accelerator.even_batches,
+            dispatch_batches=False,  # TRL requires it for iterable datasets
+        )
+        index = 0
+        for epoch in itertools.count():
+            loader.set_epoch(epoch)
+            read = 0
+            for position, rows in enumerate(loader):
+                read += 1
+                if position % repeats:
+                    continue  # a repeat of the generation batch just read
+                if index >= start:
+                    yield index, rows
+                index += 1
+            if read == 0:
+                raise ValueError("the train dataset streamed no complete generation batch")
