@@ -1,6 +1,8 @@
 """The producer queue without a model: staleness bound, order, no loss, no deadlock, errors, shutdown."""
 
+import linecache
 import random
+import sys
 import threading
 import time
 
@@ -21,6 +23,7 @@ class FakeBackend:
         self.loads = []
         self.closed = False
         self.block = False
+        self.generating = threading.Event()  # set when a generation starts
 
     def stage(self, tensors):
         return dict(tensors)
@@ -31,10 +34,11 @@ class FakeBackend:
         return 0.0
 
     def generate(self, prompt_ids, stop):
+        self.generating.set()
         if self.max_delay and self.rng.random() < 0.5:
-            time.sleep(self.rng.random() * self.max_delay)
-        while self.block and not stop.is_set():
-            time.sleep(0.001)
+            time.sleep(self.rng.random() * self.max_delay)  # a random schedule, not a wait
+        if self.block:
+            stop.wait()  # a generation that only the stop event ends
         return [list(p) + [self.loaded] for p in prompt_ids], [[0.0] * (len(p) + 1) for p in prompt_ids]
 
     def generate_until(self, prompt_ids, stop, interrupt, generated):  # what ContinuousGenerationQueue calls
@@ -47,6 +51,25 @@ class FakeBackend:
 
 def weights(version):
     return {"version": version}
+
+
+def wait_until_the_producer_waits_for_work(queue, timeout=10.0):
+    """Until the producer thread has looked at everything done so far and waits for more: read from its own stack
+    (its `_run` at the line that blocks on the next request or wake-up, with no wake-up pending), not guessed with a
+    sleep."""
+    deadline = time.monotonic() + timeout
+    poll = threading.Event()
+    while time.monotonic() < deadline:
+        frame = sys._current_frames().get(queue._thread.ident)
+        while frame is not None and frame.f_code.co_name not in ("_run", "_admit"):
+            frame = frame.f_back
+        line = linecache.getline(frame.f_code.co_filename, frame.f_lineno) if frame is not None else ""
+        if "self._requests.get()" in line:  # blocked until a request comes: nothing else can wake it
+            return
+        if "self._wake.wait()" in line and not queue._wake.is_set():  # (continuous) no wake-up left unseen
+            return
+        poll.wait(0.001)  # a condition the producer's own stack shows, read again
+    raise TimeoutError(f"the producer did not come to wait for work in {timeout} s")
 
 
 def drive_like_the_trainer(queue, bound, num_batches, rows):
@@ -127,7 +150,7 @@ def test_stale_weights_are_loaded_only_when_the_bound_or_sync_every_needs_them(q
         assert backend.loads == [0, 2, 5]
         for version in (6, 7, 8):  # due by sync_every, but no batch waits: a load now would be a wasted push
             queue.publish(version, weights(version))
-        time.sleep(0.3)
+        wait_until_the_producer_waits_for_work(queue)  # it has seen version 8
         assert backend.loads == [0, 2, 5]
         queue.submit(4, [[4]], min_version=0)
         assert queue.get(4, timeout=5).batch.versions == [[8, 8]]
@@ -182,7 +205,7 @@ def test_close_stops_the_producer_promptly(state, queue_class):
         backend.block = True  # a generation that only the stop event ends
         queue.publish(0, weights(0))
         queue.submit(0, [[1]], 0)
-        time.sleep(0.05)
+        assert backend.generating.wait(5)
     start = time.perf_counter()
     queue.close(timeout=5)
     assert time.perf_counter() - start < 1.0
@@ -242,6 +265,7 @@ def test_close_leaves_the_backend_open_under_a_producer_that_does_not_stop():
 
     class Stuck(FakeBackend):
         def generate(self, prompt_ids, stop):
+            self.generating.set()
             release.wait(30)
             return super().generate(prompt_ids, stop)
 
@@ -249,7 +273,7 @@ def test_close_leaves_the_backend_open_under_a_producer_that_does_not_stop():
     queue = GenerationQueue(backend).start()
     queue.publish(0, weights(0))
     queue.submit(0, [[1]], min_version=0)
-    time.sleep(0.2)  # the producer is inside generate
+    assert backend.generating.wait(5)  # the producer is inside generate
     with pytest.warns(RuntimeWarning, match=r"did not stop within 0.5 s \(it is generating batch 0 with version 0\)"):
         queue.close(timeout=0.5)
     assert not backend.closed

@@ -2,7 +2,9 @@
 
 The glue only: the math lives in `proximal.py`, generation in `rollout/`. Hooks overridden, and why:
 - `_generate_single_turn`: TRL's HF-generate path returns no log-probs; ours returns the behaviour log-probs. In
-  asynchronous mode it hands over the producer's pre-generated batch instead of generating.
+  asynchronous mode it hands over the producer's pre-generated batch instead of generating: `AsyncRollout.take`
+  (`rollout/async_rollout.py`, the whole trainer side of asynchronous generation) publishes this step's weights,
+  submits what the staleness bound admits, and returns this process's share with a version per token.
 - `_generate_and_score_completions`: tag each completion token with its `behavior_version`, check the behaviour
   log-probs, and (recompute / metrics) run the one proximal forward per training step. TRL's scoring (rewards,
   advantages, gathers) runs unchanged, on the main thread; `_Scoring` is the one channel between our hooks inside it.
@@ -10,7 +12,7 @@ The glue only: the math lives in `proximal.py`, generation in `rollout/`. Hooks 
   reads it; it is the cost A-3PO removes).
 - `_prepare_inputs` (asynchronous mode only): the same split into micro-batches, with a seeded shuffle.
 - `_compute_loss`: the decoupled loss; with `use_decoupled_loss=False` it is GRPOTrainer's, untouched.
-- `train`: stops the producer however training ends.
+- `train`: builds the `AsyncRollout` of this run and closes it however training ends.
 
 Policy versions (the paper's unit): version k is the weights after k generation batches have been fully trained, i.e.
 after k training steps of `steps_per_generation * num_iterations / gradient_accumulation_steps` optimizer steps
@@ -20,10 +22,8 @@ for every optimizer step of that training step, so the proximal anchor never mov
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import functools
-import os
 import textwrap
 import time
 import warnings
@@ -52,114 +52,14 @@ from .proximal import (
 from .rollout import generate_with_behavior_logprobs
 from .rollout.async_rollout import AsyncRollout
 from .rollout.policy_weights import PEFT_ON_SHARDS
+from .support import check_supported
+from .timing import ProxTimer
 
 if TYPE_CHECKING:  # the signature's types, as GRPOTrainer's
     from datasets import Dataset, DatasetDict, IterableDataset, IterableDatasetDict
     from peft import PeftConfig, PeftModel
     from transformers import BitsAndBytesConfig, PreTrainedModel, PreTrainedTokenizerBase, ProcessorMixin
     from trl.trainer.grpo_trainer import EnvironmentFactory, RewardFunc, RolloutFunc
-
-
-def _check_supported(args: A3POConfig, given: dict) -> None:
-    """Every refusal of GRPOTrainer's arguments, before any model work (loading, PEFT, Accelerate wrapping), each
-    naming what to change; `given` is GRPOTrainer's arguments. (A3POConfig's own fields: its `__post_init__`.)"""
-    dataset = given.get("train_dataset")
-    images = set(getattr(dataset, "column_names", None) or []) & {"image", "images"}
-    if images and args.use_decoupled_loss:
-        raise ValueError(
-            "A3POTrainer's decoupled loss is text-only: the image inputs of this dataset (its "
-            f"{sorted(images)} column) would be dropped from the loss and the proximal forward, training a different "
-            "policy than the one that generated. Set use_decoupled_loss=False (GRPOTrainer's own loss) for "
-            "vision-language models, or drop the image column."
-        )
-    if args.async_generation:
-        _check_supported_async(args, given, images)
-    _check_train_dataset(args, dataset)
-
-
-def _check_supported_async(args: A3POConfig, given: dict, images: set) -> None:
-    if given.get("tools") or given.get("rollout_func") is not None or given.get("environment_factory") is not None:
-        raise ValueError(
-            "async_generation=True supports single-turn text prompts; tools, environment_factory and rollout_func "
-            "need async_generation=False."
-        )
-    if images:
-        raise ValueError(
-            f"async_generation=True generates from text prompts alone: this dataset's {sorted(images)} column would "
-            "never reach the generator. Set async_generation=False for vision-language models."
-        )
-    # Sharded parameters, as far as can be told before the Accelerator exists: `accelerate launch` exports its FSDP
-    # and DeepSpeed settings as environment variables; TrainingArguments has its own `fsdp` field. (`__init__`
-    # checks again once Accelerate knows the setup.)
-    sharded = (
-        os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
-        or bool(args.fsdp)
-        or os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE") == "3"
-    )
-    model = given.get("model")
-    peft_model = isinstance(model, torch.nn.Module) and is_peft_model(model)  # not a name or path: already loaded
-    if sharded and (given.get("peft_config") is not None or peft_model):
-        raise ValueError(PEFT_ON_SHARDS)
-    peft_config = given.get("peft_config") or (model.peft_config if peft_model else None)
-    if peft_config is None:
-        return
-    if args.lora_weight_sync == "adapter":
-        from .rollout.vllm_server import adapter_unservable_reason
-
-        reason = adapter_unservable_reason(peft_config if isinstance(peft_config, dict) else {"default": peft_config})
-        if reason:
-            raise ValueError(f"lora_weight_sync='adapter' cannot serve {reason}; set lora_weight_sync='auto' (merged "
-                             "weights for such a policy) or 'merged'.")
-    unservable = _adapter_the_generator_cannot_run(peft_config)
-    if unservable:
-        raise ValueError(
-            f"async_generation=True generates with the policy's merged weights, which cannot represent {unservable}: "
-            "the generator would run a different policy than the one trained. Use a plain LoRA adapter, or set "
-            "async_generation=False."
-        )
-
-
-def _check_train_dataset(config: A3POConfig, dataset) -> None:
-    """Rows without a usable prompt, and a dataset too small for one generation batch, named before any model work
-    (TRL would fail inside the tokenizer naming no row, or train nothing and say nothing)."""
-    if dataset is None or not hasattr(dataset, "__len__") or "prompt" not in (getattr(dataset, "column_names", None)
-                                                                             or []):
-        return  # streamed datasets (no length to check) and custom collations: TRL's business
-    needed = config.generation_batch_size // config.num_generations  # distinct prompts in one generation batch
-    if len(dataset) < needed:
-        raise ValueError(
-            f"train_dataset has {len(dataset)} rows, fewer than the {needed} distinct prompts of one generation batch "
-            f"(generation_batch_size {config.generation_batch_size} / num_generations {config.num_generations}): "
-            "nothing could be trained. Use a larger dataset or a smaller per_device_train_batch_size / "
-            "steps_per_generation."
-        )
-    for row, prompt in enumerate(dataset["prompt"]):
-        if isinstance(prompt, str):
-            usable = bool(prompt.strip())
-        else:  # conversational: a non-empty list of {"role", "content"} messages
-            usable = isinstance(prompt, list) and bool(prompt) and all(
-                isinstance(m, dict) and "role" in m and "content" in m for m in prompt)
-        if not usable:
-            raise ValueError(
-                f"train_dataset row {row}: its 'prompt' is {str(prompt)[:100]!r}, not usable as a prompt (a non-empty "
-                "string, or a non-empty list of {'role', 'content'} messages). Fix or drop that row."
-            )
-
-
-def _adapter_the_generator_cannot_run(peft_config) -> str | None:
-    """What of a PEFT config the generator's merged export (W + scale * B @ A, PEFT's own `get_delta_weight`) would not
-    reproduce, named; None when every adapter is a plain LoRA."""
-    from peft import LoraConfig
-
-    configs = peft_config.values() if isinstance(peft_config, dict) else [peft_config]
-    for config in configs:
-        if not isinstance(config, LoraConfig):
-            return f"a {type(config).__name__} adapter (only LoRA's delta can be merged into the generator's weights)"
-        if config.use_dora:
-            return "LoRA with use_dora=True (DoRA rescales by a magnitude vector that is not part of the LoRA delta)"
-        if getattr(config, "lora_bias", False):
-            return "LoRA with lora_bias=True (the bias delta is not part of the LoRA weight delta)"
-    return None
 
 
 @dataclass
@@ -186,38 +86,6 @@ class _ResumeAlignmentCallback(TrainerCallback):
         # GRPOTrainer's `_step` (micro-batches seen) restarts at 0 on resume; the generation batch index and the
         # slice of it to train both derive from it, so continue from where the checkpoint stopped.
         self.trainer._step = state.global_step * args.gradient_accumulation_steps
-
-
-class _ProxTimer:
-    """Seconds spent obtaining proximal log-probs, without synchronising the device on the hot path: on CUDA each
-    measurement records an event pair, read when the metric is logged (once per optimizer step, long after the
-    events completed); elsewhere, the wall clock."""
-
-    def __init__(self, device: torch.device):
-        self.cuda = device.type == "cuda"
-        self._events: list = []
-        self._seconds = 0.0
-
-    @contextlib.contextmanager
-    def measure(self):
-        if not self.cuda:
-            start = time.perf_counter()
-            yield
-            self._seconds += time.perf_counter() - start
-            return
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        yield
-        end.record()
-        self._events.append((start, end))
-
-    def pop_seconds(self) -> float:
-        seconds = self._seconds
-        for start, end in self._events:
-            end.synchronize()
-            seconds += start.elapsed_time(end) / 1000.0
-        self._events, self._seconds = [], 0.0
-        return seconds
 
 
 class A3POTrainer(GRPOTrainer):
@@ -264,7 +132,7 @@ class A3POTrainer(GRPOTrainer):
             raise TypeError(f"A3POTrainer needs an A3POConfig as `args`, got {type(args).__name__}.")
         given = dict(model=model, train_dataset=train_dataset, peft_config=peft_config, tools=tools,
                      rollout_func=rollout_func, environment_factory=environment_factory)
-        _check_supported(args, given)  # before any model work
+        check_supported(args, given)  # before any model work
         super().__init__(
             model, reward_funcs, args=args, train_dataset=train_dataset, eval_dataset=eval_dataset,
             processing_class=processing_class, reward_processing_classes=reward_processing_classes,
@@ -277,7 +145,7 @@ class A3POTrainer(GRPOTrainer):
             self.generation_config = copy.deepcopy(self.generation_config)
             self.generation_config.temperature = self.args.sampling_temperature
             self.generation_kwargs = {**self.generation_kwargs, "temperature": self.args.sampling_temperature}
-        self._prox_timer = _ProxTimer(self.accelerator.device)  # the paper's Figure 1 metric
+        self._prox_timer = ProxTimer(self.accelerator.device)  # the paper's Figure 1 metric
         self._train_start = time.perf_counter()
         # The one channel between our hooks while TRL scores a generation batch (see `_Scoring`).
         self._scoring: _Scoring | None = None
@@ -507,68 +375,16 @@ class A3POTrainer(GRPOTrainer):
             with self._prox_timer.measure():
                 prox_logp = approximate_prox_logp("loglinear", behav_logp, logp, staleness)
 
-        # TRL's two masks, from TRL's own helpers: the high-entropy token mask, and the off-policy sequence mask from
-        # the sampler's log-probs (the behaviour log-probs are the sampler's).
-        entropy_mask = (self.get_high_entropy_mask(entropies, mask, 1 - self.top_entropy_quantile)
-                        if self.top_entropy_quantile < 1.0 else None)
-        keep = entropy_mask
-        if self.off_policy_mask_threshold is not None:
-            advantages = inputs["advantages"]
-            off_policy_mask = self.get_off_policy_mask(
-                advantages=advantages.unsqueeze(1) if advantages.dim() == 1 else advantages,
-                per_token_logps=logp,
-                sampling_per_token_logps=behav_logp,
-                mask=mask,
-                off_policy_threshold=self.off_policy_mask_threshold,
-            )
-            keep = off_policy_mask if keep is None else keep * off_policy_mask
-        gamma_weights = None
-        if self.loss_type == "vespo":
-            gamma_weights = functools.partial(
-                self.get_gamma_weights, k_pos=self.args.vespo_k_pos, lambda_pos=self.args.vespo_lambda_pos,
-                k_neg=self.args.vespo_k_neg, lambda_neg=self.args.vespo_lambda_neg)
+        entropy_mask, keep = self._trl_masks(entropies, logp, behav_logp, mask, inputs["advantages"])
         per_token_loss, stats = decoupled_ppo_loss(
-            logp,
-            prox_logp,
-            behav_logp,
-            inputs["advantages"],
-            mask,
-            epsilon_low=self.epsilon_low,
-            epsilon_high=self.epsilon_high,
-            behav_imp_weight_cap=self.args.behav_imp_weight_cap,
-            dual_clip_c=self.args.dual_clip_c,
-            behav_imp_weight_mode=self.args.behav_imp_weight_mode,
-            behav_imp_weight_min=self.args.behav_imp_weight_min,
-            behav_imp_weight_level=self.args.behav_imp_weight_level,
-            loss_type=self.loss_type,
-            importance_sampling_level=self.importance_sampling_level,
-            delta=self.args.delta,
-            sapo_temperatures=(self.args.sapo_temperature_pos, self.args.sapo_temperature_neg),
-            gamma_weights=gamma_weights,
-            keep=keep,
+            logp, prox_logp, behav_logp, inputs["advantages"], mask, keep=keep, **self._loss_options()
         )
         if self.beta != 0.0:
-            ref_logp = inputs["ref_per_token_logps"]
-            per_token_kl = torch.exp(ref_logp - logp) - (ref_logp - logp) - 1
-            if self.args.use_bias_correction_kl:
-                # The samples come from the behaviour policy: pi_theta / pi_behav (at the importance-sampling level,
-                # as TRL's correction) makes the KL estimate unbiased.
-                log_ratio = logp - behav_logp
-                if self.importance_sampling_level == "sequence":
-                    log_ratio = (log_ratio * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1)
-                per_token_kl = per_token_kl * torch.exp(log_ratio)
+            per_token_kl = self._kl_to_reference(logp, behav_logp, inputs["ref_per_token_logps"], mask)
             per_token_loss = per_token_loss + self.beta * per_token_kl
 
         accumulation = self.current_gradient_accumulation_steps if mode == "train" else 1.0
-        if self.loss_type in NUM_ITEMS_LOSS_TYPES:
-            # `num_items_in_batch` counts the generation batch's tokens on all processes: rescale to this process's
-            # share of one accumulation window, as GRPOTrainer does.
-            num_items = inputs["num_items_in_batch"].clamp(min=1.0) / self.accelerator.num_processes
-            if mode == "train":
-                num_items = num_items * accumulation / self.args.steps_per_generation
-            loss = aggregate_loss(per_token_loss, mask, self.loss_type, num_items=num_items)
-        else:
-            loss = aggregate_loss(per_token_loss, mask, self.loss_type, self.max_completion_length) / accumulation
+        loss = self._aggregate(per_token_loss, mask, inputs, mode, accumulation)
         if self._entropy_bonus_enabled:
             self._defer_metric(mode, "policy_loss", self.accelerator.gather(
                 loss.detach() * (1.0 if self.loss_type in NUM_ITEMS_LOSS_TYPES else accumulation)).nanmean())
@@ -581,6 +397,68 @@ class A3POTrainer(GRPOTrainer):
             self._defer_metric(mode, "kl", self._global_masked_mean(per_token_kl.detach(), mask))
         self._log_loss_metrics(mode, stats, staleness, mask, entropies, logp, behav_logp, prox_logp, inputs)
         return loss
+
+    def _loss_options(self) -> dict:
+        """`decoupled_ppo_loss`'s options, from this config (TRL's resolved attributes where GRPOTrainer has them)."""
+        gamma_weights = None
+        if self.loss_type == "vespo":
+            gamma_weights = functools.partial(
+                self.get_gamma_weights, k_pos=self.args.vespo_k_pos, lambda_pos=self.args.vespo_lambda_pos,
+                k_neg=self.args.vespo_k_neg, lambda_neg=self.args.vespo_lambda_neg)
+        return dict(
+            epsilon_low=self.epsilon_low,
+            epsilon_high=self.epsilon_high,
+            behav_imp_weight_cap=self.args.behav_imp_weight_cap,
+            dual_clip_c=self.args.dual_clip_c,
+            behav_imp_weight_mode=self.args.behav_imp_weight_mode,
+            behav_imp_weight_min=self.args.behav_imp_weight_min,
+            behav_imp_weight_level=self.args.behav_imp_weight_level,
+            loss_type=self.loss_type,
+            importance_sampling_level=self.importance_sampling_level,
+            delta=self.args.delta,
+            sapo_temperatures=(self.args.sapo_temperature_pos, self.args.sapo_temperature_neg),
+            gamma_weights=gamma_weights,
+        )
+
+    def _trl_masks(self, entropies, logp, behav_logp, mask, advantages):
+        """TRL's two masks, from TRL's own helpers: the high-entropy token mask, and the off-policy sequence mask from
+        the sampler's log-probs (the behaviour log-probs are the sampler's). Returns (entropy mask, both together);
+        None where none applies."""
+        entropy_mask = (self.get_high_entropy_mask(entropies, mask, 1 - self.top_entropy_quantile)
+                        if self.top_entropy_quantile < 1.0 else None)
+        keep = entropy_mask
+        if self.off_policy_mask_threshold is not None:
+            off_policy_mask = self.get_off_policy_mask(
+                advantages=advantages.unsqueeze(1) if advantages.dim() == 1 else advantages,
+                per_token_logps=logp,
+                sampling_per_token_logps=behav_logp,
+                mask=mask,
+                off_policy_threshold=self.off_policy_mask_threshold,
+            )
+            keep = off_policy_mask if keep is None else keep * off_policy_mask
+        return entropy_mask, keep
+
+    def _kl_to_reference(self, logp, behav_logp, ref_logp, mask):
+        """TRL's per-token KL estimate to the reference model; its bias correction is pi_theta / pi_behav (the samples
+        come from the behaviour policy), at the importance-sampling level as TRL's correction."""
+        per_token_kl = torch.exp(ref_logp - logp) - (ref_logp - logp) - 1
+        if self.args.use_bias_correction_kl:
+            log_ratio = logp - behav_logp
+            if self.importance_sampling_level == "sequence":
+                log_ratio = (log_ratio * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1)
+            per_token_kl = per_token_kl * torch.exp(log_ratio)
+        return per_token_kl
+
+    def _aggregate(self, per_token_loss, mask, inputs, mode: str, accumulation: float):
+        """Each loss type's own aggregation, scaled for gradient accumulation as GRPOTrainer scales it."""
+        if self.loss_type in NUM_ITEMS_LOSS_TYPES:
+            # `num_items_in_batch` counts the generation batch's tokens on all processes: rescale to this process's
+            # share of one accumulation window, as GRPOTrainer does.
+            num_items = inputs["num_items_in_batch"].clamp(min=1.0) / self.accelerator.num_processes
+            if mode == "train":
+                num_items = num_items * accumulation / self.args.steps_per_generation
+            return aggregate_loss(per_token_loss, mask, self.loss_type, num_items=num_items)
+        return aggregate_loss(per_token_loss, mask, self.loss_type, self.max_completion_length) / accumulation
 
     def _entropy_bonus(self, entropies, effective_mask, mode: str, accumulation: float) -> torch.Tensor:
         """TRL's entropy bonus, coefficient times the mean entropy of the tokens trained (scaled for accumulation
@@ -633,24 +511,8 @@ class A3POTrainer(GRPOTrainer):
     def _log_loss_metrics(self, mode, stats, staleness, mask, entropies, logp, behav_logp, prox_logp, inputs):
         defer = functools.partial(self._defer_metric, mode)
         reduce = self.accelerator.reduce
-        # Staleness is per token: shares, mean and alpha over the tokens trained (the histogram has fixed keys
-        # 0..max_staleness, the most a trained token can have).
         in_mask = mask.bool()
-        eta = self.args.max_staleness
-        tokens_at = torch.bincount(staleness[in_mask].clamp(min=0, max=eta), minlength=eta + 1).float()
-        alpha = staleness_alpha(staleness)
-        # Sequences whose tokens come from more than one version (in-flight weight updates).
-        newest = staleness.masked_fill(~in_mask, torch.iinfo(staleness.dtype).max).min(-1).values
-        oldest = staleness.masked_fill(~in_mask, -1).max(-1).values
-        mixed = ((newest != oldest) & in_mask.any(-1)).sum().float()
-        # Every count summed over processes in one reduction, keyed by name.
-        counts = {key: value for key, value in stats.items() if not key.endswith(("_min", "_max"))}
-        counts.update(staleness_sum=(staleness * in_mask).sum().float(), alpha_sum=(alpha * in_mask).sum(),
-                      mixed=mixed)
-        names = sorted(counts)
-        reduced = reduce(torch.cat([torch.stack([counts[name] for name in names]), tokens_at]), reduction="sum")
-        total = dict(zip(names, reduced[: len(names)]))
-        tokens_at = reduced[len(names):]
+        total, tokens_at = self._summed_counts(stats, staleness, in_mask)
         tokens, seqs = total["num_tokens"].clamp(min=1.0), total["num_seqs"].clamp(min=1.0)
         units = total["ratio_units"].clamp(min=1.0)
         extremes = self.accelerator.gather(
@@ -700,6 +562,25 @@ class A3POTrainer(GRPOTrainer):
             defer("a3po/prox_time_s", reduce(seconds, reduction="mean"))
         if mode != "train" or self.accelerator.sync_gradients:
             self._flush_metrics()
+
+    def _summed_counts(self, stats, staleness, in_mask):
+        """The loss's counts and the staleness counts, summed over processes in one reduction, keyed by name; and the
+        number of trained tokens at each staleness 0..max_staleness (the histogram has fixed keys: the most a
+        trained token can have). Staleness is per token: shares, mean and alpha are over the tokens trained."""
+        eta = self.args.max_staleness
+        tokens_at = torch.bincount(staleness[in_mask].clamp(min=0, max=eta), minlength=eta + 1).float()
+        alpha = staleness_alpha(staleness)
+        # Sequences whose tokens come from more than one version (in-flight weight updates).
+        newest = staleness.masked_fill(~in_mask, torch.iinfo(staleness.dtype).max).min(-1).values
+        oldest = staleness.masked_fill(~in_mask, -1).max(-1).values
+        mixed = ((newest != oldest) & in_mask.any(-1)).sum().float()
+        counts = {key: value for key, value in stats.items() if not key.endswith(("_min", "_max"))}
+        counts.update(staleness_sum=(staleness * in_mask).sum().float(), alpha_sum=(alpha * in_mask).sum(),
+                      mixed=mixed)
+        names = sorted(counts)
+        reduced = self.accelerator.reduce(torch.cat([torch.stack([counts[name] for name in names]), tokens_at]),
+                                          reduction="sum")
+        return dict(zip(names, reduced[: len(names)])), reduced[len(names):]
 
     def _log_prox_approximation_errors(self, metrics, staleness, mask, logp, behav_logp, prox_logp):
         """Error of each approximation against the recomputed proximal log-probs, over tokens, overall and per token
