@@ -11,14 +11,17 @@ import tempfile
 import time
 from pathlib import Path
 
+
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tests"))
 
-from conftest import digit_reward, make_model, make_tokenizer  # noqa: E402
 from datasets import Dataset  # noqa: E402
-from standin_server import StandinServer  # noqa: E402
 
 from trl_a3po import A3POConfig, A3POTrainer  # noqa: E402
+
+from conftest import digit_reward, make_model, make_tokenizer  # noqa: E402
+from standin_server import StandinServer  # noqa: E402
+
 
 CASES = {
     "no dev mode (start-up probe)": dict(dev_mode=False),
@@ -36,13 +39,31 @@ def main():
     rows = []
     for name, server_kwargs in CASES.items():
         with StandinServer(**server_kwargs) as server:
-            args = A3POConfig(output_dir=tempfile.mkdtemp(prefix="faults-"), rollout_backend="vllm_server",
-                              vllm_server_port=server.port, weight_sync_transport="disk", vllm_server_timeout=5.0,
-                              per_device_train_batch_size=4, num_generations=4, max_completion_length=8,
-                              max_steps=4, report_to="none", use_cpu=True, save_strategy="no", seed=0, bf16=False,
-                              disable_tqdm=True, logging_steps=1)
-            trainer = A3POTrainer(model=make_model(tokenizer), reward_funcs=digit_reward, args=args,
-                                  train_dataset=dataset, processing_class=tokenizer)
+            args = A3POConfig(
+                output_dir=tempfile.mkdtemp(prefix="faults-"),
+                rollout_backend="vllm_server",
+                vllm_server_port=server.port,
+                weight_sync_transport="disk",
+                vllm_server_timeout=5.0,
+                per_device_train_batch_size=4,
+                num_generations=4,
+                max_completion_length=8,
+                max_steps=4,
+                report_to="none",
+                use_cpu=True,
+                save_strategy="no",
+                seed=0,
+                bf16=False,
+                disable_tqdm=True,
+                logging_steps=1,
+            )
+            trainer = A3POTrainer(
+                model=make_model(tokenizer),
+                reward_funcs=digit_reward,
+                args=args,
+                train_dataset=dataset,
+                processing_class=tokenizer,
+            )
             start = time.monotonic()
             try:
                 trainer.train()

@@ -35,20 +35,32 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from methods import print_table, shape_dataset, shape_tokenizer, synthetic_reward, train_and_read_log  # noqa: E402
 
 from trl_a3po import A3POConfig, A3POTrainer  # noqa: E402
 from trl_a3po.rollout import GenerationQueue  # noqa: E402
 
+
 VOCAB = 1024
 EOS = 1  # shape_tokenizer's <eos>
 
 
 def model_config() -> Qwen2Config:
-    return Qwen2Config(vocab_size=VOCAB, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
-                       num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
-                       max_position_embeddings=1024, pad_token_id=0, eos_token_id=EOS, bos_token_id=None)
+    return Qwen2Config(
+        vocab_size=VOCAB,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=False,
+        max_position_embeddings=1024,
+        pad_token_id=0,
+        eos_token_id=EOS,
+        bos_token_id=None,
+    )
 
 
 def raise_eos_logit(bias: float) -> None:
@@ -91,19 +103,36 @@ def run(mode: str, args, tokenizer, dataset, loads: dict) -> dict:
     if args.backend == "vllm_server":
         server = dict(rollout_backend="vllm_server", vllm_server_port=args.vllm_port, weight_sync_transport="disk")
     config = A3POConfig(
-        output_dir=tempfile.mkdtemp(prefix=f"inflight-{mode}-"), max_steps=args.steps,
-        per_device_train_batch_size=args.batch, num_generations=4, steps_per_generation=args.steps_per_generation,
-        max_completion_length=args.completion_tokens, learning_rate=1e-4, logging_steps=1, report_to="none",
-        save_strategy="no", seed=0, use_cpu=True, bf16=False, temperature=1.0, disable_tqdm=True,
-        max_staleness=args.max_staleness, inflight_weight_updates=mode.endswith("inflight"),
-        continuous_generation=mode.startswith("continuous"), **server,
+        output_dir=tempfile.mkdtemp(prefix=f"inflight-{mode}-"),
+        max_steps=args.steps,
+        per_device_train_batch_size=args.batch,
+        num_generations=4,
+        steps_per_generation=args.steps_per_generation,
+        max_completion_length=args.completion_tokens,
+        learning_rate=1e-4,
+        logging_steps=1,
+        report_to="none",
+        save_strategy="no",
+        seed=0,
+        use_cpu=True,
+        bf16=False,
+        temperature=1.0,
+        disable_tqdm=True,
+        max_staleness=args.max_staleness,
+        inflight_weight_updates=mode.endswith("inflight"),
+        continuous_generation=mode.startswith("continuous"),
+        **server,
     )
     torch.manual_seed(0)
-    model = (AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=torch.float32) if args.model_dir
-             else AutoModelForCausalLM.from_config(model_config(), dtype=torch.float32))
+    model = (
+        AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=torch.float32)
+        if args.model_dir
+        else AutoModelForCausalLM.from_config(model_config(), dtype=torch.float32)
+    )
     reward.__name__ = "synthetic_reward"
-    trainer = A3POTrainer(model=model, reward_funcs=reward, args=config, train_dataset=dataset,
-                          processing_class=tokenizer)
+    trainer = A3POTrainer(
+        model=model, reward_funcs=reward, args=config, train_dataset=dataset, processing_class=tokenizer
+    )
     loads["loads"] = 0
     wall, values = train_and_read_log(trainer)
     lengths.sort()
@@ -132,8 +161,13 @@ def main():
     parser.add_argument("--eos-bias", type=float, default=4.1, help="added to the EOS logit: hazard ~1/16 per token")
     modes = ["batch", "inflight", "continuous", "continuous-inflight"]
     parser.add_argument("--modes", nargs="+", default=modes, choices=modes)
-    parser.add_argument("--repeats", type=int, default=3, help="runs per mode, interleaved (batch, inflight, batch, "
-                        "...): the first run of a process warms caches, and a shared CPU drifts")
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=3,
+        help="runs per mode, interleaved (batch, inflight, batch, "
+        "...): the first run of a process warms caches, and a shared CPU drifts",
+    )
     parser.add_argument("--backend", default="inprocess", choices=["inprocess", "vllm_server"])
     parser.add_argument("--vllm-port", type=int, default=8000)
     parser.add_argument("--model-dir", help="start from this model (the one the vLLM server serves)")
@@ -165,20 +199,38 @@ def main():
     dataset = shape_dataset(VOCAB, args.prompt_tokens)
     results = [run(mode, args, tokenizer, dataset, loads) for _ in range(args.repeats) for mode in args.modes]
 
-    print(f"\nbackend={args.backend} steps={args.steps} batch={args.batch} steps_per_generation="
-          f"{args.steps_per_generation} completion_tokens<={args.completion_tokens} max_staleness={args.max_staleness}"
-          f" eos_bias={args.eos_bias} threads={torch.get_num_threads()}")
-    print_table(results, [("mode", "mode", 20, ""), ("wall s", "wall_s", 8, ".1f"),
-                          ("wait s/step", "wait_s_per_step", 13, ".3f"), ("gen tok/s", "gen_tokens_per_s", 11, ".1f"),
-                          ("gen idle", "gen_idle_share", 10, ".2f"), ("token d", "token_staleness", 9, ".3f"),
-                          ("mixed seq", "mixed_version_frac", 11, ".3f"), ("loads", "loads", 7, "d"),
-                          ("len p50", "length_p50", 9, "d"), ("len p95", "length_p95", 9, "d")])
-    median = {mode: {key: statistics.median(r[key] for r in results if r["mode"] == mode)
-                     for key in ("wall_s", "wait_s_per_step", "gen_tokens_per_s", "token_staleness")}
-              for mode in args.modes}
+    print(
+        f"\nbackend={args.backend} steps={args.steps} batch={args.batch} steps_per_generation="
+        f"{args.steps_per_generation} completion_tokens<={args.completion_tokens} max_staleness={args.max_staleness}"
+        f" eos_bias={args.eos_bias} threads={torch.get_num_threads()}"
+    )
+    print_table(
+        results,
+        [
+            ("mode", "mode", 20, ""),
+            ("wall s", "wall_s", 8, ".1f"),
+            ("wait s/step", "wait_s_per_step", 13, ".3f"),
+            ("gen tok/s", "gen_tokens_per_s", 11, ".1f"),
+            ("gen idle", "gen_idle_share", 10, ".2f"),
+            ("token d", "token_staleness", 9, ".3f"),
+            ("mixed seq", "mixed_version_frac", 11, ".3f"),
+            ("loads", "loads", 7, "d"),
+            ("len p50", "length_p50", 9, "d"),
+            ("len p95", "length_p95", 9, "d"),
+        ],
+    )
+    median = {
+        mode: {
+            key: statistics.median(r[key] for r in results if r["mode"] == mode)
+            for key in ("wall_s", "wait_s_per_step", "gen_tokens_per_s", "token_staleness")
+        }
+        for mode in args.modes
+    }
     for mode, m in median.items():
-        print(f"median of {args.repeats} {mode}: wall {m['wall_s']:.1f} s, wait {m['wait_s_per_step']:.3f} s/step, "
-              f"{m['gen_tokens_per_s']:.1f} gen tok/s, token staleness {m['token_staleness']:.3f}")
+        print(
+            f"median of {args.repeats} {mode}: wall {m['wall_s']:.1f} s, wait {m['wait_s_per_step']:.3f} s/step, "
+            f"{m['gen_tokens_per_s']:.1f} gen tok/s, token staleness {m['token_staleness']:.3f}"
+        )
     for mode in args.modes[1:]:
         print(f"median wall {args.modes[0]}/{mode} = {median[args.modes[0]]['wall_s'] / median[mode]['wall_s']:.2f}x")
     if args.out:

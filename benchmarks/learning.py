@@ -55,6 +55,7 @@ import subprocess
 import sys
 import time
 
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO, "tests"))  # local_vllm: the local server harness
 VLLM_PYTHON = os.path.join(REPO, ".venv-vllm", "bin", "python")
@@ -66,26 +67,59 @@ METHOD_FLAGS = {
     "loglinear": ["--prox_logp_method", "loglinear", "--async_generation", "true"],
     "metrics": ["--prox_logp_method", "metrics", "--async_generation", "true"],
     # the cooled sampler (arXiv 2609.36953): loglinear sampling at 0.8, learner, reference and weights at 1.0
-    "cooled": ["--prox_logp_method", "loglinear", "--async_generation", "true", "--sampling_temperature",
-               "0.8"],
+    "cooled": ["--prox_logp_method", "loglinear", "--async_generation", "true", "--sampling_temperature", "0.8"],
 }
 COOLED_STALENESS = (4, 8)  # the sampler-temperature question (issue 37): its None arm is the loglinear runs
 LEARNING_RATE = 2e-5  # the calibration's choice (benchmarks/RESULTS.md, "Learning-rate calibration")
 TRAIN_FLAGS = [
-    "--one_shot_prompt", "true", "--format_reward_weight", "0.5", "--format_reward_only_when_correct", "true",
-    "--max_completion_length", "64", "--per_device_train_batch_size", "16", "--num_generations", "8",
-    "--steps_per_generation", "2", "--gradient_accumulation_steps", "1", "--temperature", "1.0",
-    "--rollout_backend", "vllm_server", "--weight_sync_transport", "disk",
+    "--one_shot_prompt",
+    "true",
+    "--format_reward_weight",
+    "0.5",
+    "--format_reward_only_when_correct",
+    "true",
+    "--max_completion_length",
+    "64",
+    "--per_device_train_batch_size",
+    "16",
+    "--num_generations",
+    "8",
+    "--steps_per_generation",
+    "2",
+    "--gradient_accumulation_steps",
+    "1",
+    "--temperature",
+    "1.0",
+    "--rollout_backend",
+    "vllm_server",
+    "--weight_sync_transport",
+    "disk",
 ]
 # The demo question (issue 22): does the demo (`recipes/gsm8k_cpu.yaml`: in-process generation, loglinear,
 # max_staleness 2) learn at least as fast with this sweep's recipe? Both arms generate 192 samples (24 x 8 and
 # 12 x 16), so they cost about the same; a seed's two arms run back to back on one machine. Each arm spells out its
 # recipe, so the comparison stays the same whichever of the two the yaml holds.
 DEMO_ARMS = {
-    "demo": ["--format_reward_only_when_correct", "false", "--per_device_train_batch_size", "8",
-             "--num_generations", "4", "--max_steps", "24"],  # the demo's recipe before issue 22
-    "sweep-recipe": ["--format_reward_only_when_correct", "true", "--per_device_train_batch_size", "16",
-                     "--num_generations", "8", "--max_steps", "12"],
+    "demo": [
+        "--format_reward_only_when_correct",
+        "false",
+        "--per_device_train_batch_size",
+        "8",
+        "--num_generations",
+        "4",
+        "--max_steps",
+        "24",
+    ],  # the demo's recipe before issue 22
+    "sweep-recipe": [
+        "--format_reward_only_when_correct",
+        "true",
+        "--per_device_train_batch_size",
+        "16",
+        "--num_generations",
+        "8",
+        "--max_steps",
+        "12",
+    ],
 }
 # Two-sided 95% quantiles of Student's t by degrees of freedom (standard tables; scipy is not a dependency).
 T_975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228}
@@ -119,14 +153,21 @@ def greedy_accuracy(model_dir: str, dataset_dir: str, limit: int, port: int, wor
     from transformers import AutoTokenizer
 
     from trl_a3po import gsm8k_greedy_accuracy, load_gsm8k
+
     from local_vllm import local_vllm_server  # tests/local_vllm.py
 
     dataset = load_gsm8k(dataset_dir, "test", limit, one_shot=True)
     start = time.perf_counter()
     env = {"OMP_NUM_THREADS": str(os.cpu_count() or 1)}  # nothing else runs during the evaluation
     with local_vllm_server(VLLM_PYTHON, model_dir, port, workdir, env=env) as url:
-        result = gsm8k_greedy_accuracy(dataset, AutoTokenizer.from_pretrained(model_dir), vllm_base_url=url,
-                                       batch_size=len(dataset), max_new_tokens=EVAL_TOKENS, progress=False)
+        result = gsm8k_greedy_accuracy(
+            dataset,
+            AutoTokenizer.from_pretrained(model_dir),
+            vllm_base_url=url,
+            batch_size=len(dataset),
+            max_new_tokens=EVAL_TOKENS,
+            progress=False,
+        )
     result["seconds"] = round(time.perf_counter() - start, 1)
     return result
 
@@ -135,14 +176,27 @@ def check_port_free(port: int) -> None:
     # A server left over from a killed run (SIGKILL skips the cleanup) would answer instead of this run's.
     with socket.socket() as probe:
         if probe.connect_ex(("127.0.0.1", port)) == 0:
-            raise SystemExit(f"port {port} is in use (a vLLM server left by a killed run? `pkill -f "
-                             "vllm.entrypoints`), or pass --port")
+            raise SystemExit(
+                f"port {port} is in use (a vLLM server left by a killed run? `pkill -f "
+                "vllm.entrypoints`), or pass --port"
+            )
 
 
-def train_and_evaluate(method: str, staleness: int, seed: int, args, base_model: str, results: str,
-                       learning_rate: float) -> None:
-    flags = ["--max_steps", str(args.steps), "--vllm_server_port", str(args.port), "--learning_rate", str(learning_rate),
-             "--max_staleness", str(staleness), *TRAIN_FLAGS, *METHOD_FLAGS[method]]
+def train_and_evaluate(
+    method: str, staleness: int, seed: int, args, base_model: str, results: str, learning_rate: float
+) -> None:
+    flags = [
+        "--max_steps",
+        str(args.steps),
+        "--vllm_server_port",
+        str(args.port),
+        "--learning_rate",
+        str(learning_rate),
+        "--max_staleness",
+        str(staleness),
+        *TRAIN_FLAGS,
+        *METHOD_FLAGS[method],
+    ]
     result = run_recipe(flags, method, seed, args, base_model, results, serve=True)
     result.update(max_staleness=staleness, learning_rate=learning_rate)
     write_result(results, result)
@@ -165,15 +219,33 @@ def run_recipe(flags: list[str], method: str, seed: int, args, base_model: str, 
     work = os.path.join(REPO, "outputs", "learning", name)
     shutil.rmtree(work, ignore_errors=True)  # an interrupted run starts over
     os.makedirs(work)
-    command = [os.path.join(os.path.dirname(sys.executable), "accelerate"), "launch", "--cpu",
-               os.path.join(REPO, "recipes", "gsm8k.py"), "--config", os.path.join(REPO, "recipes", "gsm8k_cpu.yaml"),
-               "--model_name_or_path", base_model, "--dataset_name", args.dataset, "--seed", str(seed), *flags,
-               "--output_dir", work, "--disable_tqdm", "true"]
+    command = [
+        os.path.join(os.path.dirname(sys.executable), "accelerate"),
+        "launch",
+        "--cpu",
+        os.path.join(REPO, "recipes", "gsm8k.py"),
+        "--config",
+        os.path.join(REPO, "recipes", "gsm8k_cpu.yaml"),
+        "--model_name_or_path",
+        base_model,
+        "--dataset_name",
+        args.dataset,
+        "--seed",
+        str(seed),
+        *flags,
+        "--output_dir",
+        work,
+        "--disable_tqdm",
+        "true",
+    ]
     started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     print(f"[{started}] {name}: $ {' '.join(command)}", flush=True)
     start = time.perf_counter()
-    with (local_vllm_server(VLLM_PYTHON, base_model, args.port, os.path.join(work, "vllm")) if serve
-          else contextlib.nullcontext()):
+    with (
+        local_vllm_server(VLLM_PYTHON, base_model, args.port, os.path.join(work, "vllm"))
+        if serve
+        else contextlib.nullcontext()
+    ):
         with open(os.path.join(work, "train.log"), "w") as log:
             code = subprocess.call(command, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
     process_s = time.perf_counter() - start
@@ -195,15 +267,23 @@ def run_recipe(flags: list[str], method: str, seed: int, args, base_model: str, 
 def write_result(results: str, result: dict) -> None:
     with open(os.path.join(results, "result.json"), "w") as f:  # written last: marks the run finished
         json.dump(result, f, indent=1)
-    print(f"{os.path.basename(results)}: training {result['train_s']:.0f} s, greedy {result['greedy_before']:.3f} "
-          f"-> {result['greedy_after']:.3f}", flush=True)
+    print(
+        f"{os.path.basename(results)}: training {result['train_s']:.0f} s, greedy {result['greedy_before']:.3f} "
+        f"-> {result['greedy_after']:.3f}",
+        flush=True,
+    )
 
 
 def base_accuracy(args, base_model: str) -> dict:
     path = os.path.join(args.results, "base", "greedy_eval.json")
     if not os.path.exists(path):
-        result = greedy_accuracy(base_model, args.dataset, args.eval_limit, args.port + 1,
-                                 os.path.join(REPO, "outputs", "learning", "base-eval"))
+        result = greedy_accuracy(
+            base_model,
+            args.dataset,
+            args.eval_limit,
+            args.port + 1,
+            os.path.join(REPO, "outputs", "learning", "base-eval"),
+        )
         os.makedirs(os.path.dirname(path), exist_ok=True)
         with open(path, "w") as f:
             json.dump(result, f, indent=1)
@@ -228,8 +308,11 @@ def summarize(method: str, seed: int, state_path: str, before: dict, after: dict
             if key.startswith("a3po/prox_error/"):
                 errors.setdefault(key.removeprefix("a3po/prox_error/"), []).append(value)
     return {
-        "method": method, "seed": seed, "steps": logs[-1]["step"],
-        "greedy_before": before["accuracy"], "greedy_after": after["accuracy"],
+        "method": method,
+        "seed": seed,
+        "steps": logs[-1]["step"],
+        "greedy_before": before["accuracy"],
+        "greedy_after": after["accuracy"],
         "train_s": logs[-1]["a3po/wall_time_s"],  # the trainer's clock: model loading excluded
         "prox_s_per_step": statistics.mean(prox) if prox else None,
         "reward_first3": statistics.mean(h["reward"] for h in batches[:3]),
@@ -248,8 +331,11 @@ def accuracy_in_window(state_path: str, start_s: float, end_s: float) -> float |
     """Mean training accuracy reward (sampled answers) of the generation batches logged between `start_s` and `end_s`
     of the trainer's clock. None if none was logged."""
     with open(state_path) as f:
-        values = [h[ACCURACY] for h in json.load(f)["log_history"]
-                  if ACCURACY in h and start_s < h.get("a3po/wall_time_s", -1.0) <= end_s]
+        values = [
+            h[ACCURACY]
+            for h in json.load(f)["log_history"]
+            if ACCURACY in h and start_s < h.get("a3po/wall_time_s", -1.0) <= end_s
+        ]
     return statistics.mean(values) if values else None
 
 
@@ -273,29 +359,39 @@ def demo_recipe_report(results_dir: str) -> None:
         for arm in DEMO_ARMS:
             state = os.path.join(results_dir, runs[arm, seed]["name"], "trainer_state.json")
             window[arm, seed] = accuracy_in_window(state, end_s - DEMO_WINDOW_S, end_s)
-    print("The demo (recipes/gsm8k_cpu.yaml, in-process generation) with its recipe and with the sweep's, 192 samples "
-          "each;\ngreedy accuracy on the held-out problems after training, and the training accuracy reward in the "
-          f"last {DEMO_WINDOW_S / 60:.0f} minutes\nbefore the end of the seed's shorter run (at most "
-          f"{DEMO_BUDGET_S / 60:.0f} minutes in)")
+    print(
+        "The demo (recipes/gsm8k_cpu.yaml, in-process generation) with its recipe and with the sweep's, 192 samples "
+        "each;\ngreedy accuracy on the held-out problems after training, and the training accuracy reward in the "
+        f"last {DEMO_WINDOW_S / 60:.0f} minutes\nbefore the end of the seed's shorter run (at most "
+        f"{DEMO_BUDGET_S / 60:.0f} minutes in)"
+    )
     print(f"{'arm':<14}{'seeds':>6}  {'greedy after':<18}{'per seed':<22}{'acc. reward window':<24}train s")
     for arm in DEMO_ARMS:
         arm_runs = [runs[key] for key in sorted(runs) if key[0] == arm]
         if not arm_runs:
             continue
         values = [window[arm, r["seed"]] for r in arm_runs if window.get((arm, r["seed"])) is not None]
-        print(f"{arm:<14}{len(arm_runs):>6}  {mean_std([r['greedy_after'] for r in arm_runs]):<18}"
-              f"{' '.join(format(r['greedy_after'], '.3f') for r in arm_runs):<22}"
-              f"{mean_std(values) if values else 'none logged':<24}{mean_std([r['train_s'] for r in arm_runs], 0)}")
+        print(
+            f"{arm:<14}{len(arm_runs):>6}  {mean_std([r['greedy_after'] for r in arm_runs]):<18}"
+            f"{' '.join(format(r['greedy_after'], '.3f') for r in arm_runs):<22}"
+            f"{mean_std(values) if values else 'none logged':<24}{mean_std([r['train_s'] for r in arm_runs], 0)}"
+        )
     if seeds:
         diffs = [runs["sweep-recipe", s]["greedy_after"] - runs["demo", s]["greedy_after"] for s in seeds]
         print(f"  sweep-recipe - demo, greedy after: {paired_difference(diffs)}")
         logged = [s for s in seeds if None not in (window["sweep-recipe", s], window["demo", s])]
         diffs = [window["sweep-recipe", s] - window["demo", s] for s in logged]
         print(f"  sweep-recipe - demo, accuracy reward in the window: {paired_difference(diffs)}")
-        over = [f"{r['name']} ({r['train_s']:.0f} s)" for s in seeds for arm in DEMO_ARMS
-                if (r := runs[arm, s])["train_s"] > DEMO_BUDGET_S]
-        print("  trained past 15 minutes: " + (", ".join(over) if over else "none (greedy after is where each arm "
-                                                "is within the demo's 15 minutes)"))
+        over = [
+            f"{r['name']} ({r['train_s']:.0f} s)"
+            for s in seeds
+            for arm in DEMO_ARMS
+            if (r := runs[arm, s])["train_s"] > DEMO_BUDGET_S
+        ]
+        print(
+            "  trained past 15 minutes: "
+            + (", ".join(over) if over else "none (greedy after is where each arm is within the demo's 15 minutes)")
+        )
 
 
 def mean_std(values: list[float], digits: int = 3) -> str:
@@ -344,8 +440,10 @@ def report(results_dir: str, figures_dir: str) -> None:
     order = [key for key in order if key in groups]
     base = results[0]["greedy_before"]
     print(f"Greedy accuracy on the held-out problems (base model {base:.3f}); mean +- sample std over seeds")
-    print(f"{'method':<10}{'d':>3}{'seeds':>6}  {'greedy after':<18}{'per seed':<22}{'gain':<18}{'train s':<14}"
-          "token staleness share")
+    print(
+        f"{'method':<10}{'d':>3}{'seeds':>6}  {'greedy after':<18}{'per seed':<22}{'gain':<18}{'train s':<14}"
+        "token staleness share"
+    )
     for method, d in order:
         runs = [groups[method, d][seed] for seed in sorted(groups[method, d])]
         shares = {}
@@ -353,16 +451,24 @@ def report(results_dir: str, figures_dir: str) -> None:
             for k, v in r["staleness_share"].items():
                 shares[k] = shares.get(k, 0.0) + v / len(runs)
         per_seed = " ".join(format(r["greedy_after"], ".3f") for r in runs)
-        print(f"{method:<10}{d:>3}{len(runs):>6}  {mean_std([r['greedy_after'] for r in runs]):<18}"
-              f"{per_seed:<22}"
-              f"{mean_std([r['greedy_after'] - r['greedy_before'] for r in runs]):<18}"
-              f"{mean_std([r['train_s'] for r in runs], 0):<14}"
-              + " ".join(f"d{k}: {v:.2f}" for k, v in sorted(shares.items(), key=lambda kv: int(kv[0]))))
-    print("Paired differences of greedy accuracy after training (same seed = same data order; the "
-          "first batches, listed below, match only where the sampler did), and training time:")
+        print(
+            f"{method:<10}{d:>3}{len(runs):>6}  {mean_std([r['greedy_after'] for r in runs]):<18}"
+            f"{per_seed:<22}"
+            f"{mean_std([r['greedy_after'] - r['greedy_before'] for r in runs]):<18}"
+            f"{mean_std([r['train_s'] for r in runs], 0):<14}"
+            + " ".join(f"d{k}: {v:.2f}" for k, v in sorted(shares.items(), key=lambda kv: int(kv[0])))
+        )
+    print(
+        "Paired differences of greedy accuracy after training (same seed = same data order; the "
+        "first batches, listed below, match only where the sampler did), and training time:"
+    )
     for d in STALENESS:
-        for method, other in (("loglinear", "recompute"), ("loglinear", "sync"), ("recompute", "sync"),
-                              ("cooled", "loglinear")):
+        for method, other in (
+            ("loglinear", "recompute"),
+            ("loglinear", "sync"),
+            ("recompute", "sync"),
+            ("cooled", "loglinear"),
+        ):
             runs, baseline = groups.get((method, d), {}), groups.get((other, 0 if other == "sync" else d), {})
             seeds = sorted(set(runs) & set(baseline))
             if seeds:
@@ -373,72 +479,119 @@ def report(results_dir: str, figures_dir: str) -> None:
         # A pair's time ratio is a measurement only if both runs had one machine's speed. Sessions get machines up
         # to 3x apart, so the check is the evaluation after training (the same 200 problems, each run alone):
         # pairs whose evaluations took more than 1.5x apart are named and left out of the mean.
-        eval_s = {s: (eval_seconds(results_dir, recompute[s]), eval_seconds(results_dir, loglinear[s]))
-                  for s in seeds}
+        eval_s = {s: (eval_seconds(results_dir, recompute[s]), eval_seconds(results_dir, loglinear[s])) for s in seeds}
         same_machine = [s for s in seeds if max(eval_s[s]) <= SAME_MACHINE_EVAL_RATIO * min(eval_s[s])]
         if same_machine:
             # per seed too: a run that shared the machine with other work shows as an outlier here
             ratios = [recompute[s]["train_s"] / loglinear[s]["train_s"] for s in same_machine]
             seed_count = f"{len(ratios)} seed" + ("s" if len(ratios) > 1 else "")
-            print(f"  d={d} training time recompute / loglinear: {statistics.mean(ratios):.2f}x (mean over "
-                  f"{seed_count}; per seed " + " ".join(f"{r:.2f}" for r in ratios) + ")")
+            print(
+                f"  d={d} training time recompute / loglinear: {statistics.mean(ratios):.2f}x (mean over "
+                f"{seed_count}; per seed " + " ".join(f"{r:.2f}" for r in ratios) + ")"
+            )
         for s in sorted(set(seeds) - set(same_machine)):
-            print(f"  d={d} seed {s}: no time ratio, the pair ran on machines of different speed (evaluation after "
-                  f"training {eval_s[s][0]:.0f} s for recompute, {eval_s[s][1]:.0f} s for loglinear)")
+            print(
+                f"  d={d} seed {s}: no time ratio, the pair ran on machines of different speed (evaluation after "
+                f"training {eval_s[s][0]:.0f} s for recompute, {eval_s[s][1]:.0f} s for loglinear)"
+            )
         if recompute:
             # within one run, so it holds across machines of different speed: what recompute spends on its proximal
             # forward passes (loglinear's interpolation costs ~1 ms a step)
             shares = [r["prox_s_per_step"] * r["steps"] / r["train_s"] for r in recompute.values()]
-            print(f"  d={d} recompute's proximal forward passes: {100 * statistics.mean(shares):.1f}% of its training "
-                  "time (per seed " + " ".join(f"{100 * x:.1f}%" for x in shares) + ")")
+            print(
+                f"  d={d} recompute's proximal forward passes: {100 * statistics.mean(shares):.1f}% of its training "
+                "time (per seed " + " ".join(f"{100 * x:.1f}%" for x in shares) + ")"
+            )
     print("First generation batch (base model; reward, mean length), per seed:")
     for seed in sorted({r["seed"] for r in results}):
-        print(f"  seed {seed}: " + ", ".join(f"{r['name']} ({r['first_batch'][0]:.3f}, {r['first_batch'][1]:.1f})"
-                                            for r in results if r["seed"] == seed))
+        print(
+            f"  seed {seed}: "
+            + ", ".join(
+                f"{r['name']} ({r['first_batch'][0]:.3f}, {r['first_batch'][1]:.1f})"
+                for r in results
+                if r["seed"] == seed
+            )
+        )
     for (method, d), runs in groups.items():
         if method != "metrics":
             continue
         for r in runs.values():
             errors = r["prox_error"]
-            print(f"metrics run d={d} seed {r['seed']}: mean |log pi_prox error| against recompute, per token, "
-                  "by token staleness")
+            print(
+                f"metrics run d={d} seed {r['seed']}: mean |log pi_prox error| against recompute, per token, "
+                "by token staleness"
+            )
             for approx in ("loglinear", "linear", "rollout"):
-                by_d = sorted(((int(k.rsplit("/d", 1)[1]), v) for k, v in errors.items()
-                               if k.startswith(f"{approx}/abs/d")))
-                print(f"  {approx:<10} all {errors.get(f'{approx}/abs', math.nan):.5f}  "
-                      + "  ".join(f"d{k} {v:.5f}" for k, v in by_d))
+                by_d = sorted(
+                    ((int(k.rsplit("/d", 1)[1]), v) for k, v in errors.items() if k.startswith(f"{approx}/abs/d"))
+                )
+                print(
+                    f"  {approx:<10} all {errors.get(f'{approx}/abs', math.nan):.5f}  "
+                    + "  ".join(f"d{k} {v:.5f}" for k, v in by_d)
+                )
     run_dirs = [os.path.join(results_dir, r["name"]) for r in results]
-    subprocess.check_call([sys.executable, "-m", "trl_a3po.plot", *run_dirs, "--out", figures_dir, "--labels",
-                           *[f"{r['method']} d{r['max_staleness']}" for r in results]], cwd=REPO)
+    subprocess.check_call(
+        [
+            sys.executable,
+            "-m",
+            "trl_a3po.plot",
+            *run_dirs,
+            "--out",
+            figures_dir,
+            "--labels",
+            *[f"{r['method']} d{r['max_staleness']}" for r in results],
+        ],
+        cwd=REPO,
+    )
 
 
 def calibration_report(results_dir: str) -> None:
-    print(f"{'learning rate':<15}{'steps':>6}  {'greedy before -> after':<24}{'reward first3 -> last3':<24}"
-          f"{'accuracy reward first3 -> last3':<33}train s")
+    print(
+        f"{'learning rate':<15}{'steps':>6}  {'greedy before -> after':<24}{'reward first3 -> last3':<24}"
+        f"{'accuracy reward first3 -> last3':<33}train s"
+    )
     for r in sorted(load_results(results_dir), key=lambda r: r["learning_rate"]):
-        print(f"{r['learning_rate']:<15g}{r['steps']:>6}  {r['greedy_before']:.3f} -> {r['greedy_after']:.3f}"
-              f"{'':<10}{r['reward_first3']:.3f} -> {r['reward_last3']:.3f}{'':<10}"
-              f"{r['accuracy_reward_first3']:.3f} -> {r['accuracy_reward_last3']:.3f}{'':<19}{r['train_s']:.0f}")
+        print(
+            f"{r['learning_rate']:<15g}{r['steps']:>6}  {r['greedy_before']:.3f} -> {r['greedy_after']:.3f}"
+            f"{'':<10}{r['reward_first3']:.3f} -> {r['reward_last3']:.3f}{'':<10}"
+            f"{r['accuracy_reward_first3']:.3f} -> {r['accuracy_reward_last3']:.3f}{'':<19}{r['train_s']:.0f}"
+        )
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--only", nargs="+", metavar="METHOD:D:SEED", help="these runs only (e.g. loglinear:8:1)")
     parser.add_argument("--report", action="store_true", help="no training: tables and figures of finished runs")
-    parser.add_argument("--calibrate", nargs="*", type=float, metavar="LR",
-                        help="instead of the sweep: loglinear, max_staleness 2, seed 0 at each learning rate (with "
-                        "--report and no LR: the calibration's table)")
-    parser.add_argument("--demo-recipe", nargs="*", type=int, metavar="SEED",
-                        help="instead of the sweep: the demo question, both DEMO_ARMS for each seed (with --report "
-                        "and no seed: its table)")
+    parser.add_argument(
+        "--calibrate",
+        nargs="*",
+        type=float,
+        metavar="LR",
+        help="instead of the sweep: loglinear, max_staleness 2, seed 0 at each learning rate (with "
+        "--report and no LR: the calibration's table)",
+    )
+    parser.add_argument(
+        "--demo-recipe",
+        nargs="*",
+        type=int,
+        metavar="SEED",
+        help="instead of the sweep: the demo question, both DEMO_ARMS for each seed (with --report "
+        "and no seed: its table)",
+    )
     parser.add_argument("--demo-results", default=os.path.join(REPO, "benchmarks", "runs", "demo_recipe"))
     parser.add_argument("--steps", type=int, default=30, help="optimizer steps per run (the same for all)")
     parser.add_argument("--learning-rate", type=float, default=LEARNING_RATE)
     parser.add_argument("--eval-limit", type=int, default=200, help="held-out problems for greedy accuracy")
-    parser.add_argument("--dataset", default=os.path.join(REPO, "recipes", "data", "addition"),
-                        help="folder with train.jsonl / test.jsonl (default: `python -m trl_a3po.data`'s seed 0)")
-    parser.add_argument("--results", default=os.path.join(REPO, "benchmarks", "runs", "sweep"),
-                        help="where finished runs are kept (and looked for)")
+    parser.add_argument(
+        "--dataset",
+        default=os.path.join(REPO, "recipes", "data", "addition"),
+        help="folder with train.jsonl / test.jsonl (default: `python -m trl_a3po.data`'s seed 0)",
+    )
+    parser.add_argument(
+        "--results",
+        default=os.path.join(REPO, "benchmarks", "runs", "sweep"),
+        help="where finished runs are kept (and looked for)",
+    )
     parser.add_argument("--calibration-results", default=os.path.join(REPO, "benchmarks", "runs", "calibration"))
     parser.add_argument("--figures", default=os.path.join(REPO, "benchmarks", "figures", "sweep"))
     parser.add_argument("--port", type=int, default=8041, help="training server; the evaluation server uses +1")
@@ -447,21 +600,35 @@ def main():
     calibrating, demo = args.calibrate is not None, args.demo_recipe is not None
     if calibrating and demo:
         parser.error("--calibrate and --demo-recipe are two benchmarks: run one at a time")
-    for flag, values, what in (("--calibrate", args.calibrate, "learning rates"),
-                               ("--demo-recipe", args.demo_recipe, "seeds")):
+    for flag, values, what in (
+        ("--calibrate", args.calibrate, "learning rates"),
+        ("--demo-recipe", args.demo_recipe, "seeds"),
+    ):
         if values is not None and not values and not args.report:
             parser.error(f"{flag} needs {what} (or --report)")
     # each run: (its results folder, what trains and evaluates it)
     if calibrating:
-        runs = [(os.path.join(args.calibration_results, f"lr{lr:g}"),
-                 functools.partial(train_and_evaluate, "loglinear", 2, 0, learning_rate=lr)) for lr in args.calibrate]
+        runs = [
+            (
+                os.path.join(args.calibration_results, f"lr{lr:g}"),
+                functools.partial(train_and_evaluate, "loglinear", 2, 0, learning_rate=lr),
+            )
+            for lr in args.calibrate
+        ]
     elif demo:
-        runs = [(os.path.join(args.demo_results, f"{arm}-s{seed}"), functools.partial(train_demo_arm, arm, seed))
-                for seed in args.demo_recipe for arm in DEMO_ARMS]
+        runs = [
+            (os.path.join(args.demo_results, f"{arm}-s{seed}"), functools.partial(train_demo_arm, arm, seed))
+            for seed in args.demo_recipe
+            for arm in DEMO_ARMS
+        ]
     else:
-        names = {f"{m}:{d}:{s}": (os.path.join(args.results, run_name(m, d, s)),
-                                  functools.partial(train_and_evaluate, m, d, s, learning_rate=args.learning_rate))
-                 for m, d, s in all_runs()}
+        names = {
+            f"{m}:{d}:{s}": (
+                os.path.join(args.results, run_name(m, d, s)),
+                functools.partial(train_and_evaluate, m, d, s, learning_rate=args.learning_rate),
+            )
+            for m, d, s in all_runs()
+        }
         unknown = [item for item in args.only or [] if item not in names]
         if unknown:
             raise SystemExit(f"--only {' '.join(unknown)}: not a run of this benchmark; runs are " + " ".join(names))
@@ -470,6 +637,7 @@ def main():
         if not os.path.exists(VLLM_PYTHON):
             raise SystemExit(f"{VLLM_PYTHON} not found: run `bash scripts/setup.sh --with-vllm` first")
         from trl_a3po import resolve_model
+
         base_model = resolve_model("smollm2-135m-instruct")  # a folder both the recipe and vLLM can load
         for results, train in runs:
             if os.path.exists(os.path.join(results, "result.json")):

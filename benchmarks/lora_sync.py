@@ -24,18 +24,28 @@ from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM
 
 from trl_a3po import A3POConfig, resolve_model
+
+
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tests"))
-from local_vllm import local_vllm_server  # noqa: E402
-
-from trl_a3po.rollout.vllm_server import VLLMServerBackend  # noqa: E402
 from trl_a3po.rollout.policy_weights import _hf_named_tensors  # noqa: E402
+from trl_a3po.rollout.vllm_server import VLLMServerBackend  # noqa: E402
+
+from local_vllm import local_vllm_server  # noqa: E402
 
 
 def push_versions(mode: str, model, port: int, workdir: str, versions: int) -> dict:
-    args = A3POConfig(output_dir=os.path.join(workdir, mode), rollout_backend="vllm_server", vllm_server_port=port,
-                      weight_sync_transport="disk", lora_weight_sync=mode, use_cpu=True, bf16=False,
-                      report_to="none", max_completion_length=4)
+    args = A3POConfig(
+        output_dir=os.path.join(workdir, mode),
+        rollout_backend="vllm_server",
+        vllm_server_port=port,
+        weight_sync_transport="disk",
+        lora_weight_sync=mode,
+        use_cpu=True,
+        bf16=False,
+        report_to="none",
+        max_completion_length=4,
+    )
     backend = VLLMServerBackend.from_config(args, eos_token_ids=[2], peft_configs=model.peft_config)
     assert backend.sync_mode == mode, backend.sync_mode
     seconds, sizes = [], []
@@ -69,24 +79,40 @@ def main():
 
     model_dir = resolve_model(args.model)
     base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    model = get_peft_model(base, LoraConfig(r=args.rank, lora_alpha=2 * args.rank, lora_dropout=0.0,
-                                            target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]))
+    model = get_peft_model(
+        base,
+        LoraConfig(
+            r=args.rank,
+            lora_alpha=2 * args.rank,
+            lora_dropout=0.0,
+            target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
+        ),
+    )
     workdir = tempfile.mkdtemp(prefix="lora-", dir="/tmp")  # short: vLLM's engine sockets live under it
     env = {"HF_HUB_OFFLINE": "1", "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}
     start = time.perf_counter()
-    with local_vllm_server(str(REPO / ".venv-vllm" / "bin" / "python"), model_dir, args.port, workdir, env=env,
-                           extra_args=("--enable-lora", "--max-lora-rank", str(max(args.rank, 8)),
-                                       "--max-loras", "2")):
+    with local_vllm_server(
+        str(REPO / ".venv-vllm" / "bin" / "python"),
+        model_dir,
+        args.port,
+        workdir,
+        env=env,
+        extra_args=("--enable-lora", "--max-lora-rank", str(max(args.rank, 8)), "--max-loras", "2"),
+    ):
         print(f"server up in {time.perf_counter() - start:.0f} s")
         results = [push_versions(mode, model, args.port, workdir, args.versions) for mode in ("adapter", "merged")]
-    print(f"\nmodel={args.model} LoRA r={args.rank} on q/k/v/o, {args.versions} versions each, CPU vLLM server "
-          f"(disk), threads={torch.get_num_threads()}")
+    print(
+        f"\nmodel={args.model} LoRA r={args.rank} on q/k/v/o, {args.versions} versions each, CPU vLLM server "
+        f"(disk), threads={torch.get_num_threads()}"
+    )
     print(f"{'sync':<9}{'push s/version (median)':>25}{'MB/version':>12}")
     for r in results:
         print(f"{r['mode']:<9}{r['push_s']:>25.3f}{r['mb']:>12.1f}")
     adapter, merged = results
-    print(f"ratios: merged/adapter push time {merged['push_s'] / adapter['push_s']:.1f}x, "
-          f"bytes {merged['mb'] / adapter['mb']:.0f}x")
+    print(
+        f"ratios: merged/adapter push time {merged['push_s'] / adapter['push_s']:.1f}x, "
+        f"bytes {merged['mb'] / adapter['mb']:.0f}x"
+    )
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """sync vs recompute vs loglinear (and plain TRL GRPOTrainer), same model, data, seed and steps, in one run.
 
     python benchmarks/methods.py                                   # tiny random model, SmolLM2's tokenizer, CPU
-    python benchmarks/methods.py --model smollm2-135m-instruct --steps 8   # ~20 min on 2 CPU cores (5 methods x 8 steps)
+    python benchmarks/methods.py --model smollm2-135m-instruct --steps 8   # ~20 min on 2 CPU cores (5 x 8 steps)
     python benchmarks/methods.py --backend vllm_server --vllm-port 8000   # generation on a running vLLM server
     python benchmarks/methods.py --model qwen2.5-1.5b-shape --methods sync recompute loglinear loglinear-noahead \
         --batch 8 --gradient-accumulation-steps 2 --steps-per-generation 8 --prompt-tokens 128 \
@@ -34,10 +34,12 @@ from datasets import Dataset
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast, Qwen2Config
 from trl import GRPOConfig, GRPOTrainer
 
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from prox_cost import SHAPES  # noqa: E402
 
 from trl_a3po import A3POConfig, A3POTrainer  # noqa: E402
+
 
 METHODS = {
     "grpo": dict(trainer=GRPOTrainer, config=GRPOConfig),
@@ -81,15 +83,24 @@ def make_model(name: str, tokenizer):
         torch.manual_seed(0)
         config = shape_config(name)
         config.pad_token_id, config.eos_token_id = tokenizer.pad_token_id, tokenizer.eos_token_id
-        return AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16 if torch.cuda.is_available()
-                                                else torch.float32)
+        return AutoModelForCausalLM.from_config(
+            config, dtype=torch.bfloat16 if torch.cuda.is_available() else torch.float32
+        )
     from trl_a3po import resolve_model
 
     if name == "tiny":
         torch.manual_seed(0)
-        config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=128, intermediate_size=256, num_hidden_layers=4,
-                             num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
-                             pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+        config = Qwen2Config(
+            vocab_size=len(tokenizer),
+            hidden_size=128,
+            intermediate_size=256,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            tie_word_embeddings=True,
+            pad_token_id=tokenizer.pad_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+        )
         return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     return AutoModelForCausalLM.from_pretrained(resolve_model(name), dtype=torch.float32)
 
@@ -102,12 +113,24 @@ def run(method: str, args, tokenizer, dataset) -> dict:
         if args.backend == "vllm_server":
             spec.update(rollout_backend="vllm_server", vllm_server_port=args.vllm_port, weight_sync_transport="disk")
     config = config_cls(
-        output_dir=tempfile.mkdtemp(prefix=f"bench-{method}-"), max_steps=args.steps,
-        per_device_train_batch_size=args.batch, num_generations=4, steps_per_generation=args.steps_per_generation,
-        max_completion_length=args.completion_tokens, learning_rate=1e-6, logging_steps=1, report_to="none",
-        save_strategy="no", seed=0, use_cpu=not torch.cuda.is_available(), bf16=torch.cuda.is_available(),
-        temperature=1.0, disable_tqdm=True, gradient_accumulation_steps=args.gradient_accumulation_steps,
-        gradient_checkpointing=args.gradient_checkpointing, **spec,
+        output_dir=tempfile.mkdtemp(prefix=f"bench-{method}-"),
+        max_steps=args.steps,
+        per_device_train_batch_size=args.batch,
+        num_generations=4,
+        steps_per_generation=args.steps_per_generation,
+        max_completion_length=args.completion_tokens,
+        learning_rate=1e-6,
+        logging_steps=1,
+        report_to="none",
+        save_strategy="no",
+        seed=0,
+        use_cpu=not torch.cuda.is_available(),
+        bf16=torch.cuda.is_available(),
+        temperature=1.0,
+        disable_tqdm=True,
+        gradient_accumulation_steps=args.gradient_accumulation_steps,
+        gradient_checkpointing=args.gradient_checkpointing,
+        **spec,
     )
     if args.model.endswith("-shape"):
         reward = synthetic_reward
@@ -115,15 +138,23 @@ def run(method: str, args, tokenizer, dataset) -> dict:
         from trl_a3po import gsm8k_accuracy_reward  # math-verify: only for the GSM8K runs
 
         reward = gsm8k_accuracy_reward
-    trainer = trainer_cls(model=make_model(args.model, tokenizer), reward_funcs=reward, args=config,
-                          train_dataset=dataset, processing_class=tokenizer)
+    trainer = trainer_cls(
+        model=make_model(args.model, tokenizer),
+        reward_funcs=reward,
+        args=config,
+        train_dataset=dataset,
+        processing_class=tokenizer,
+    )
     wall, values = train_and_read_log(trainer)
     history = trainer.state.log_history
     # the first generation batch (its optimizer steps): warm-up, and nothing to overlap with yet
     skip = args.steps_per_generation // args.gradient_accumulation_steps
     step_times = values("step_time")[skip:] or values("step_time")
-    tokens = sum(h["completions/mean_length"] * args.batch * args.steps_per_generation
-                 for h in history if "completions/mean_length" in h)
+    tokens = sum(
+        h["completions/mean_length"] * args.batch * args.steps_per_generation
+        for h in history
+        if "completions/mean_length" in h
+    )
     result = {
         "method": method,
         "step_s": statistics.median(step_times),
@@ -149,9 +180,12 @@ def train_and_read_log(trainer):
 
 def print_table(rows: list[dict], columns: list[tuple[str, str, int, str]]) -> None:
     """A plain-text table: `columns` are (title, key, width, format); the first column left-aligned."""
+
     def line(cells):
-        return "".join(f"{cell:<{width}}" if i == 0 else f"{cell:>{width}}"
-                       for i, (cell, (_, _, width, _)) in enumerate(zip(cells, columns)))
+        return "".join(
+            f"{cell:<{width}}" if i == 0 else f"{cell:>{width}}"
+            for i, (cell, (_, _, width, _)) in enumerate(zip(cells, columns))
+        )
 
     header = line([title for title, _, _, _ in columns])
     print(header)
@@ -162,8 +196,12 @@ def print_table(rows: list[dict], columns: list[tuple[str, str, int, str]]) -> N
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="tiny", help="tiny (random, SmolLM2 tokenizer), a model / alias, or a "
-                        f"random *-shape model: tiny-shape, {', '.join(k for k in SHAPES if k != 'tiny')}")
+    parser.add_argument(
+        "--model",
+        default="tiny",
+        help="tiny (random, SmolLM2 tokenizer), a model / alias, or a "
+        f"random *-shape model: tiny-shape, {', '.join(k for k in SHAPES if k != 'tiny')}",
+    )
     parser.add_argument("--methods", nargs="+", default=list(METHODS))
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--batch", type=int, default=8, help="per_device_train_batch_size (samples per step)")
@@ -176,8 +214,11 @@ def main():
     parser.add_argument("--max-staleness", type=int, default=None, help="eta for the async methods (default: auto)")
     parser.add_argument("--vllm-port", type=int, default=8000)
     parser.add_argument("--dataset", default="recipes/data/gsm8k")
-    parser.add_argument("--save-tiny", metavar="DIR", help="write the tiny model + tokenizer here (for a vLLM server "
-                        "to start from) and exit")
+    parser.add_argument(
+        "--save-tiny",
+        metavar="DIR",
+        help="write the tiny model + tokenizer here (for a vLLM server to start from) and exit",
+    )
     args = parser.parse_args()
 
     if args.model.endswith("-shape"):
@@ -186,8 +227,9 @@ def main():
     else:
         from trl_a3po import load_gsm8k, resolve_model
 
-        tokenizer = AutoTokenizer.from_pretrained(resolve_model("smollm2-135m-instruct" if args.model == "tiny"
-                                                                else args.model))
+        tokenizer = AutoTokenizer.from_pretrained(
+            resolve_model("smollm2-135m-instruct" if args.model == "tiny" else args.model)
+        )
         dataset = load_gsm8k(args.dataset, "train", limit=256)
     if args.save_tiny:
         make_model("tiny", tokenizer).save_pretrained(args.save_tiny)
@@ -196,25 +238,39 @@ def main():
     results = [run(method, args, tokenizer, dataset) for method in args.methods]
 
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-    print(f"\nmodel={args.model} device={device} backend={args.backend} steps={args.steps} batch={args.batch} "
-          f"gradient_accumulation_steps={args.gradient_accumulation_steps} "
-          f"steps_per_generation={args.steps_per_generation} completion_tokens={args.completion_tokens} "
-          f"max_staleness={args.max_staleness or 'auto'} threads={torch.get_num_threads()}")
-    print_table(results, [("method", "method", 18, ""), ("step s (median)", "step_s", 16, ".3f"),
-                          ("gen tok/s", "tokens_per_s", 11, ".1f"), ("prox s/step (median)", "prox_s", 22, ".6f"),
-                          ("prox s/step (mean)", "prox_mean_s", 20, ".6f"), ("wait s/step", "wait_s", 13, ".3f"),
-                          ("wall s", "wall_s", 9, ".1f")])
+    print(
+        f"\nmodel={args.model} device={device} backend={args.backend} steps={args.steps} batch={args.batch} "
+        f"gradient_accumulation_steps={args.gradient_accumulation_steps} "
+        f"steps_per_generation={args.steps_per_generation} completion_tokens={args.completion_tokens} "
+        f"max_staleness={args.max_staleness or 'auto'} threads={torch.get_num_threads()}"
+    )
+    print_table(
+        results,
+        [
+            ("method", "method", 18, ""),
+            ("step s (median)", "step_s", 16, ".3f"),
+            ("gen tok/s", "tokens_per_s", 11, ".1f"),
+            ("prox s/step (median)", "prox_s", 22, ".6f"),
+            ("prox s/step (mean)", "prox_mean_s", 20, ".6f"),
+            ("wait s/step", "wait_s", 13, ".3f"),
+            ("wall s", "wall_s", 9, ".1f"),
+        ],
+    )
     by = {r["method"]: r for r in results}
     ratios = []
     if "sync" in by and "loglinear" in by:
         ratios.append(f"wall sync/loglinear = {by['sync']['wall_s'] / by['loglinear']['wall_s']:.2f}x")
     if "loglinear-noahead" in by and "loglinear" in by:
-        ratios.append(f"wall loglinear-noahead/loglinear (the asynchrony alone) = "
-                      f"{by['loglinear-noahead']['wall_s'] / by['loglinear']['wall_s']:.2f}x")
+        ratios.append(
+            f"wall loglinear-noahead/loglinear (the asynchrony alone) = "
+            f"{by['loglinear-noahead']['wall_s'] / by['loglinear']['wall_s']:.2f}x"
+        )
     if "recompute" in by and "loglinear" in by:
         ratios.append(f"wall recompute/loglinear = {by['recompute']['wall_s'] / by['loglinear']['wall_s']:.2f}x")
-        ratios.append(f"prox time (mean) recompute/loglinear = "
-                      f"{by['recompute']['prox_mean_s'] / by['loglinear']['prox_mean_s']:.0f}x")
+        ratios.append(
+            f"prox time (mean) recompute/loglinear = "
+            f"{by['recompute']['prox_mean_s'] / by['loglinear']['prox_mean_s']:.0f}x"
+        )
     if "grpo" in by and "sync" in by:
         ratios.append(f"step sync(A3POTrainer)/GRPOTrainer = {by['sync']['step_s'] / by['grpo']['step_s']:.3f}x")
     print("ratios: " + "; ".join(ratios))

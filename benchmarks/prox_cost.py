@@ -20,18 +20,43 @@ from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
 from trl_a3po.proximal import approximate_prox_logp
 
+
 SHAPES = {
-    "tiny": lambda: Qwen2Config(vocab_size=1024, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                num_attention_heads=4, num_key_value_heads=2),
-    "smollm2-135m-shape": lambda: LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536,
-                                              num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
-                                              tie_word_embeddings=True),
-    "qwen2.5-0.5b-shape": lambda: Qwen2Config(vocab_size=151936, hidden_size=896, intermediate_size=4864,
-                                              num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
-                                              tie_word_embeddings=True),
-    "qwen2.5-1.5b-shape": lambda: Qwen2Config(vocab_size=151936, hidden_size=1536, intermediate_size=8960,
-                                              num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
-                                              tie_word_embeddings=True),
+    "tiny": lambda: Qwen2Config(
+        vocab_size=1024,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    ),
+    "smollm2-135m-shape": lambda: LlamaConfig(
+        vocab_size=49152,
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=30,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        tie_word_embeddings=True,
+    ),
+    "qwen2.5-0.5b-shape": lambda: Qwen2Config(
+        vocab_size=151936,
+        hidden_size=896,
+        intermediate_size=4864,
+        num_hidden_layers=24,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+    ),
+    "qwen2.5-1.5b-shape": lambda: Qwen2Config(
+        vocab_size=151936,
+        hidden_size=1536,
+        intermediate_size=8960,
+        num_hidden_layers=28,
+        num_attention_heads=12,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+    ),
 }
 
 
@@ -58,8 +83,15 @@ def recompute(model, input_ids, attention_mask, completion_len, micro_batch):
     with torch.no_grad():
         for start in range(0, input_ids.size(0), micro_batch):
             ids = input_ids[start : start + micro_batch]
-            logits = model(input_ids=ids, attention_mask=attention_mask[start : start + micro_batch],
-                           logits_to_keep=completion_len + 1).logits[:, :-1].float()
+            logits = (
+                model(
+                    input_ids=ids,
+                    attention_mask=attention_mask[start : start + micro_batch],
+                    logits_to_keep=completion_len + 1,
+                )
+                .logits[:, :-1]
+                .float()
+            )
             targets = ids[:, -completion_len:]
             out.append(torch.log_softmax(logits, -1).gather(-1, targets.unsqueeze(-1)).squeeze(-1))
     return torch.cat(out)
@@ -111,10 +143,12 @@ def main():
             staleness = torch.randint(0, 5, (batch,), generator=generator).to(args.device)
             t_recompute = timed(
                 lambda m=model: recompute(m, input_ids, attention_mask, completion, args.micro_batch),
-                args.device, args.repeats,
+                args.device,
+                args.repeats,
             )
-            t_loglinear = timed(lambda: approximate_prox_logp("loglinear", behav, logp, staleness), args.device,
-                                args.repeats)
+            t_loglinear = timed(
+                lambda: approximate_prox_logp("loglinear", behav, logp, staleness), args.device, args.repeats
+            )
             print(f"{name:<24}{shape:>16}{t_recompute:>14.4f}{t_loglinear:>14.6f}{t_recompute / t_loglinear:>10.0f}x")
         del model  # free it before building the next one
 

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from prox_cost import SHAPES, build, recompute, sync  # noqa: E402
 
@@ -71,8 +72,9 @@ def main():
         model.gradient_checkpointing_enable()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-7)
     g = torch.Generator().manual_seed(0)
-    input_ids = torch.randint(0, model.config.vocab_size, (args.batch, args.prompt_tokens + args.completion_tokens),
-                              generator=g).to(args.device)
+    input_ids = torch.randint(
+        0, model.config.vocab_size, (args.batch, args.prompt_tokens + args.completion_tokens), generator=g
+    ).to(args.device)
     behav = (-torch.rand(args.batch, args.completion_tokens, generator=g) * 5).to(args.device)
     advantages = torch.randn(args.batch, generator=g).to(args.device)
     staleness = torch.randint(0, 5, (args.batch,), generator=g).to(args.device)
@@ -80,23 +82,39 @@ def main():
     results = {}
     for method in ("recompute", "loglinear", "recompute", "loglinear"):  # interleaved: drift hits both alike
         times, proxes = results.setdefault(method, ([], []))
-        step(method, model, optimizer, input_ids, behav, advantages, staleness, args.completion_tokens,
-             args.micro_batch)  # warm-up
+        step(
+            method, model, optimizer, input_ids, behav, advantages, staleness, args.completion_tokens, args.micro_batch
+        )  # warm-up
         for _ in range(args.steps):
             sync(args.device)
             start = time.perf_counter()
-            proxes.append(step(method, model, optimizer, input_ids, behav, advantages, staleness,
-                               args.completion_tokens, args.micro_batch))
+            proxes.append(
+                step(
+                    method,
+                    model,
+                    optimizer,
+                    input_ids,
+                    behav,
+                    advantages,
+                    staleness,
+                    args.completion_tokens,
+                    args.micro_batch,
+                )
+            )
             sync(args.device)
             times.append(time.perf_counter() - start)
-    print(f"model={args.model} device={args.device} dtype={dtype} batch={args.batch}x"
-          f"({args.prompt_tokens}+{args.completion_tokens}) micro_batch={args.micro_batch} steps={2 * args.steps}")
+    print(
+        f"model={args.model} device={args.device} dtype={dtype} batch={args.batch}x"
+        f"({args.prompt_tokens}+{args.completion_tokens}) micro_batch={args.micro_batch} steps={2 * args.steps}"
+    )
     print(f"{'method':<11}{'step s (median)':>17}{'prox s (median)':>17}")
     for method, (times, proxes) in results.items():
         print(f"{method:<11}{statistics.median(times):>17.4f}{statistics.median(proxes):>17.6f}")
     rc, ll = results["recompute"], results["loglinear"]
-    print(f"ratios: step recompute/loglinear = {statistics.median(rc[0]) / statistics.median(ll[0]):.3f}x; "
-          f"prox recompute/loglinear = {statistics.median(rc[1]) / statistics.median(ll[1]):.0f}x")
+    print(
+        f"ratios: step recompute/loglinear = {statistics.median(rc[0]) / statistics.median(ll[0]):.3f}x; "
+        f"prox recompute/loglinear = {statistics.median(rc[1]) / statistics.median(ll[1]):.0f}x"
+    )
 
 
 if __name__ == "__main__":

@@ -51,11 +51,23 @@ def main():
 
             model = PeftModel.from_pretrained(model, args.adapter)
         model.to("cuda" if torch.cuda.is_available() else "cpu")
-    result = gsm8k_greedy_accuracy(dataset, tokenizer, model=model, vllm_base_url=args.vllm_url,
-                                   batch_size=args.batch_size, max_new_tokens=args.max_new_tokens)
-    result.update(model=args.model, adapter=args.adapter, dataset=args.dataset, split=args.split,
-                  max_solution_steps=args.max_solution_steps, one_shot=args.one_shot,
-                  max_new_tokens=args.max_new_tokens)
+    result = gsm8k_greedy_accuracy(
+        dataset,
+        tokenizer,
+        model=model,
+        vllm_base_url=args.vllm_url,
+        batch_size=args.batch_size,
+        max_new_tokens=args.max_new_tokens,
+    )
+    result.update(
+        model=args.model,
+        adapter=args.adapter,
+        dataset=args.dataset,
+        split=args.split,
+        max_solution_steps=args.max_solution_steps,
+        one_shot=args.one_shot,
+        max_new_tokens=args.max_new_tokens,
+    )
     print(json.dumps(result))
     if args.output:
         with open(args.output, "w") as f:

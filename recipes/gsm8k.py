@@ -6,7 +6,8 @@
 
 Without --config the recipe takes recipes/gsm8k.yaml where a GPU is visible and recipes/gsm8k_cpu.yaml elsewhere,
 and says which. Every A3POConfig / GRPOConfig / TrainingArguments field and every ModelConfig field (`--use_peft`,
-`--lora_r`, `--lora_target_modules`, ...) is a flag; flags override the yaml. `python recipes/gsm8k.py --help` lists them.
+`--lora_r`, `--lora_target_modules`, ...) is a flag; flags override the yaml. `python recipes/gsm8k.py --help` lists
+them.
 """
 
 import os
@@ -40,13 +41,17 @@ class ScriptArguments:
     train_limit: int | None = field(default=None, metadata={"help": "Use only the first N training problems."})
     max_solution_steps: int | None = field(
         default=None,
-        metadata={"help": "Keep only problems whose reference solution has at most N calculator steps (GSM8K's "
-                          "<<...>> annotations), in training and greedy evaluation: an easier subset for small models."},
+        metadata={
+            "help": "Keep only problems whose reference solution has at most N calculator steps (GSM8K's "
+            "<<...>> annotations), in training and greedy evaluation: an easier subset for small models."
+        },
     )
     one_shot_prompt: bool = field(
         default=False,
-        metadata={"help": "Start each prompt with a short worked example ending in \\boxed{} (helps small models "
-                          "answer in the rewarded form), in training and greedy evaluation."},
+        metadata={
+            "help": "Start each prompt with a short worked example ending in \\boxed{} (helps small models "
+            "answer in the rewarded form), in training and greedy evaluation."
+        },
     )
     greedy_eval_limit: int = field(default=200, metadata={"help": "Test problems in each greedy evaluation."})
     greedy_eval_steps: int = field(
@@ -58,14 +63,18 @@ class ScriptArguments:
     )
     format_reward_only_when_correct: bool = field(
         default=False,
-        metadata={"help": "Pay the format reward only to a correct answer in \\boxed{} (then it cannot be collected "
-                          "without solving the problem; the unconditional bonus taught SmolLM2 to box wrong answers)."},
+        metadata={
+            "help": "Pay the format reward only to a correct answer in \\boxed{} (then it cannot be collected "
+            "without solving the problem; the unconditional bonus taught SmolLM2 to box wrong answers)."
+        },
     )
 
     def __post_init__(self):
         if self.format_reward_only_when_correct and not self.format_reward_weight:
-            raise ValueError("format_reward_only_when_correct=True needs format_reward_weight > 0 (it changes "
-                             "which answers the format reward pays; with weight 0 there is none)")
+            raise ValueError(
+                "format_reward_only_when_correct=True needs format_reward_weight > 0 (it changes "
+                "which answers the format reward pays; with weight 0 there is none)"
+            )
 
 
 def rewards(script_args: ScriptArguments) -> tuple[list, list[float]]:
@@ -73,8 +82,10 @@ def rewards(script_args: ScriptArguments) -> tuple[list, list[float]]:
     if not script_args.format_reward_weight:
         return [gsm8k_accuracy_reward], [1.0]
     only_correct = script_args.format_reward_only_when_correct
-    return ([gsm8k_accuracy_reward, gsm8k_correct_format_reward if only_correct else gsm8k_format_reward],
-            [1.0, script_args.format_reward_weight])
+    return (
+        [gsm8k_accuracy_reward, gsm8k_correct_format_reward if only_correct else gsm8k_format_reward],
+        [1.0, script_args.format_reward_weight],
+    )
 
 
 def main(script_args: ScriptArguments, training_args: A3POConfig, model_args: ModelConfig):
@@ -89,8 +100,13 @@ def main(script_args: ScriptArguments, training_args: A3POConfig, model_args: Mo
         tokenizer.pad_token = tokenizer.eos_token
 
     # Data: `prompt` (chat messages asking for \boxed{}) and `answer` (the reference, read by the reward).
-    train_dataset = load_gsm8k(script_args.dataset_name, script_args.dataset_train_split, script_args.train_limit,
-                               script_args.max_solution_steps, script_args.one_shot_prompt)
+    train_dataset = load_gsm8k(
+        script_args.dataset_name,
+        script_args.dataset_train_split,
+        script_args.train_limit,
+        script_args.max_solution_steps,
+        script_args.one_shot_prompt,
+    )
 
     reward_funcs, training_args.reward_weights = rewards(script_args)
 
@@ -105,11 +121,19 @@ def main(script_args: ScriptArguments, training_args: A3POConfig, model_args: Mo
 
     # The paper's "final eval reward": greedy accuracy on held-out problems, during and after training.
     if script_args.greedy_eval_steps:
-        test_dataset = load_gsm8k(script_args.dataset_name, script_args.dataset_test_split,
-                                  script_args.greedy_eval_limit, script_args.max_solution_steps,
-                                  script_args.one_shot_prompt)
-        callback = GreedyEvalCallback(test_dataset, tokenizer, script_args.greedy_eval_steps,
-                                      max_new_tokens=script_args.greedy_eval_max_new_tokens)
+        test_dataset = load_gsm8k(
+            script_args.dataset_name,
+            script_args.dataset_test_split,
+            script_args.greedy_eval_limit,
+            script_args.max_solution_steps,
+            script_args.one_shot_prompt,
+        )
+        callback = GreedyEvalCallback(
+            test_dataset,
+            tokenizer,
+            script_args.greedy_eval_steps,
+            max_new_tokens=script_args.greedy_eval_max_new_tokens,
+        )
         callback.trainer = trainer
         trainer.add_callback(callback)
 

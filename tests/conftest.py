@@ -9,6 +9,7 @@ import threading
 import time
 from pathlib import Path
 
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
@@ -20,6 +21,7 @@ from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, Qwen2Con
 
 from trl_a3po.rollout import GenerationQueue, build_whole_snapshot
 from trl_a3po.rollout.policy_weights import policy_tensors
+
 
 CORPUS = [
     "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May.",
@@ -81,8 +83,11 @@ def free_port() -> int:
 
 def producer_threads() -> list:
     """The generation threads alive now: producers ("a3po-producer") and continuous generation's streams."""
-    return [t for t in threading.enumerate()
-            if (t.name == "a3po-producer" or t.name.startswith("a3po-stream")) and t.is_alive()]
+    return [
+        t
+        for t in threading.enumerate()
+        if (t.name == "a3po-producer" or t.name.startswith("a3po-stream")) and t.is_alive()
+    ]
 
 
 def generate_two_versions_ahead(trainer):
@@ -171,8 +176,11 @@ def slow_generation(monkeypatch, seconds_per_token=0.02):
     """Slow the producer's generation down (it asks whether a newer version is due once per token), so that with
     in-flight weight updates versions are published in the middle of sequences."""
     newer_version_due = GenerationQueue._newer_version_due
-    monkeypatch.setattr(GenerationQueue, "_newer_version_due",
-                        lambda queue, *held: time.sleep(seconds_per_token) or newer_version_due(queue, *held))
+    monkeypatch.setattr(
+        GenerationQueue,
+        "_newer_version_due",
+        lambda queue, *held: time.sleep(seconds_per_token) or newer_version_due(queue, *held),
+    )
 
 
 NEWER_VERSION_DUE = GenerationQueue._newer_version_due  # as defined, before any test patches it
@@ -183,15 +191,18 @@ def wait_for_the_next_version(queue, *held_version) -> bool:
     whether versions change mid-sequence: in-process, the first batches are merged into one `generate` and only the
     last is left to be caught (a slow machine's trainer once lost at 60 ms per token); on a vLLM server every batch
     streams at once, and a loaded machine's trainer published only after all had ended. Instead, a stream (thread
-    `a3po-stream-<its first batch>`) that holds only batches the trainer does not need yet (every index above the newest
-    published version: the trainer trains that version's batch and publishes the next one without them) waits, at each
-    token, until a newer version is due; so every run has versions change mid-sequence, on any machine."""
+    `a3po-stream-<its first batch>`) that holds only batches the trainer does not need yet (every index above the
+    newest published version: the trainer trains that version's batch and publishes the next one without them) waits,
+    at each token, until a newer version is due; so every run has versions change mid-sequence, on any machine."""
     thread = threading.current_thread().name
     if thread.startswith("a3po-stream-"):
         first_batch = int(thread.removeprefix("a3po-stream-"))
         deadline = time.monotonic() + 120
-        while (first_batch > queue.published_version and not NEWER_VERSION_DUE(queue, *held_version)
-               and not queue._stop.is_set()):
+        while (
+            first_batch > queue.published_version
+            and not NEWER_VERSION_DUE(queue, *held_version)
+            and not queue._stop.is_set()
+        ):
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{thread}: no version after {queue.published_version} published in 120 s")
             time.sleep(0.01)
@@ -217,8 +228,17 @@ class VersionRecorder(TrainerCallback):
             self.weights[state.global_step // per_version] = weights
 
 
-def record_trained_samples(trainer, keys=("prompt_ids", "prompt_mask", "completion_ids", "completion_mask",
-                                          "sampling_per_token_logps", "behavior_version")):
+def record_trained_samples(
+    trainer,
+    keys=(
+        "prompt_ids",
+        "prompt_mask",
+        "completion_ids",
+        "completion_mask",
+        "sampling_per_token_logps",
+        "behavior_version",
+    ),
+):
     samples = []
     original = trainer._compute_loss
 
@@ -246,6 +266,7 @@ def check_behaviour_logprobs_against_versions(trainer, versions, samples, atol, 
             logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, -logits_to_keep - 1 : -1]
             logp = torch.log_softmax(logits.float() / temperature, -1)
             return logp.gather(-1, input_ids[:, -logits_to_keep:, None]).squeeze(-1), None, None
+
     replay.eval()
     checked = 0
     for inputs in samples:
@@ -286,8 +307,26 @@ def launch(out_dir, mode, *extra, expect_failure=False):
         distributed = ["--use_deepspeed", "--deepspeed_config_file", str(DEEPSPEED_CPU), "--zero3_init_flag", "true"]
     # `--cpu` alone starts one process unless MPI is set up; `--multi_gpu` uses torchrun, which on a machine without
     # GPUs (and `use_cpu=True` in the config) runs the processes on CPU over gloo.
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", *distributed, "--num_processes", "2", "--num_machines",
-           "1", "--main_process_port", str(free_port()), "--mixed_precision", "no", "--dynamo_backend", "no", str(SCRIPT), str(out_dir), mode, *map(str, extra)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        *distributed,
+        "--num_processes",
+        "2",
+        "--num_machines",
+        "1",
+        "--main_process_port",
+        str(free_port()),
+        "--mixed_precision",
+        "no",
+        "--dynamo_backend",
+        "no",
+        str(SCRIPT),
+        str(out_dir),
+        mode,
+        *map(str, extra),
+    ]
     result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     if expect_failure:
         return result

@@ -13,9 +13,17 @@ import requests
 
 
 @contextlib.contextmanager
-def local_vllm_server(python: str, model_dir: str, port: int, workdir: str, max_model_len: int = 1024,
-                      env: dict | None = None, timeout_s: float = 600, dev_mode: bool = True,
-                      extra_args: tuple[str, ...] = ()):
+def local_vllm_server(
+    python: str,
+    model_dir: str,
+    port: int,
+    workdir: str,
+    max_model_len: int = 1024,
+    env: dict | None = None,
+    timeout_s: float = 600,
+    dev_mode: bool = True,
+    extra_args: tuple[str, ...] = (),
+):
     """A vLLM server on this machine for `model_dir` (the tests and `benchmarks/learning.py` start one), with
     the flags this backend needs: dev mode for the disk transport's `/collective_rpc`, processed log-probs. Yields
     its base URL once `/health` answers; on exit stops its whole process group, so vLLM's engine and worker
@@ -23,15 +31,43 @@ def local_vllm_server(python: str, model_dir: str, port: int, workdir: str, max_
     and `server.log` go to `workdir`."""
     for folder in ("cache", "rpc"):
         os.makedirs(os.path.join(workdir, folder), exist_ok=True)
-    env = {"VLLM_CPU_KVCACHE_SPACE": "1", **os.environ, **(env or {}), "VLLM_SERVER_DEV_MODE": "1" if dev_mode else "0",
-           "VLLM_CACHE_ROOT": os.path.join(workdir, "cache"), "VLLM_RPC_BASE_PATH": os.path.join(workdir, "rpc")}
+    env = {
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        **os.environ,
+        **(env or {}),
+        "VLLM_SERVER_DEV_MODE": "1" if dev_mode else "0",
+        "VLLM_CACHE_ROOT": os.path.join(workdir, "cache"),
+        "VLLM_RPC_BASE_PATH": os.path.join(workdir, "rpc"),
+    }
     log_path = os.path.join(workdir, "server.log")
     with open(log_path, "w") as log:
         server = subprocess.Popen(
-            [python, "-m", "vllm.entrypoints.openai.api_server", "--host", "127.0.0.1", "--port", str(port),
-             "--model", str(model_dir), "--dtype", "float32", "--max-model-len", str(max_model_len),
-             "--enforce-eager", "--logprobs-mode", "processed_logprobs", "--max-logprobs", "-1", *extra_args],
-            stdout=log, stderr=subprocess.STDOUT, env=env, cwd=workdir, start_new_session=True,
+            [
+                python,
+                "-m",
+                "vllm.entrypoints.openai.api_server",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                "--model",
+                str(model_dir),
+                "--dtype",
+                "float32",
+                "--max-model-len",
+                str(max_model_len),
+                "--enforce-eager",
+                "--logprobs-mode",
+                "processed_logprobs",
+                "--max-logprobs",
+                "-1",
+                *extra_args,
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            cwd=workdir,
+            start_new_session=True,
         )
     url = f"http://127.0.0.1:{port}"
     try:

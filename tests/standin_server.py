@@ -20,8 +20,18 @@ class StandinServer:
 
     ERROR_MESSAGE = "EngineCore encountered an issue: CUDA out of memory (stand-in)"
 
-    def __init__(self, completions="ok", dev_mode=True, logprobs_mode="processed_logprobs", weight_transfer=None,
-                 version="0.31.0", stall_s=30.0, restart_at=None, push_fails=False, lora=False):
+    def __init__(
+        self,
+        completions="ok",
+        dev_mode=True,
+        logprobs_mode="processed_logprobs",
+        weight_transfer=None,
+        version="0.31.0",
+        stall_s=30.0,
+        restart_at=None,
+        push_fails=False,
+        lora=False,
+    ):
         self.completions, self.dev_mode, self.version = completions, dev_mode, version
         self.lora = lora  # started with --enable-lora --max-lora-rank 8 and runtime LoRA updating
         self.push_fails = push_fails  # /collective_rpc (the disk transport's reload) answers 500
@@ -58,10 +68,16 @@ class StandinServer:
                 elif path == "/weight_info" and standin.dev_mode:
                     self._json({"weight_version": standin.weight_version})
                 elif path == "/server_info" and standin.dev_mode:
-                    self._json({"vllm_config": {"model_config": {"logprobs_mode": standin.logprobs_mode},
-                                                "weight_transfer_config": standin.weight_transfer,
-                                                "lora_config": {"max_lora_rank": 8} if standin.lora else None},
-                                "vllm_env": {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": standin.lora}})
+                    self._json(
+                        {
+                            "vllm_config": {
+                                "model_config": {"logprobs_mode": standin.logprobs_mode},
+                                "weight_transfer_config": standin.weight_transfer,
+                                "lora_config": {"max_lora_rank": 8} if standin.lora else None,
+                            },
+                            "vllm_env": {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": standin.lora},
+                        }
+                    )
                 else:
                     self._json({"detail": "Not Found"}, 404)
 
@@ -97,8 +113,12 @@ class StandinServer:
                 for step in range(2):
                     for row in range(rows):
                         last = step == 1 and standin.completions == "ok"
-                        choice = {"index": row, "token_ids": [5 + step], "logprobs": {"token_logprobs": [-0.5]},
-                                  "finish_reason": "length" if last else None}
+                        choice = {
+                            "index": row,
+                            "token_ids": [5 + step],
+                            "logprobs": {"token_logprobs": [-0.5]},
+                            "finish_reason": "length" if last else None,
+                        }
                         self.wfile.write(b"data: " + json.dumps({"choices": [choice]}).encode() + b"\n\n")
                 if standin.completions == "error":
                     error = {"error": {"message": standin.ERROR_MESSAGE, "type": "InternalServerError", "code": 500}}

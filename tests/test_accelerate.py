@@ -3,14 +3,8 @@
 import time
 
 import pytest
+
 from conftest import check_ranks_follow_the_synchronous_shards, launch, require_deepspeed
-
-
-
-
-
-
-
 
 
 # (In-flight updates alone on two processes: the continuous + in-flight case covers both at once, for CI time; one
@@ -57,8 +51,9 @@ def test_two_processes_under_deepspeed_zero3_train_async_in_process(tmp_path, sy
         ("generation", dict(completions="error"), "standin", "CUDA out of memory (stand-in)"),
     ],
 )
-def test_a_failure_of_the_main_process_ends_every_process_with_the_original_error(tmp_path, when, server_kwargs,
-                                                                                   mode, message):
+def test_a_failure_of_the_main_process_ends_every_process_with_the_original_error(
+    tmp_path, when, server_kwargs, mode, message
+):
     # Only the main process talks to the server; whatever fails there (the start-up probe, staging a version, an
     # error event mid-generation; a failed push or a stall travel the same path, tested in one process in
     # test_server_protocol.py) reaches the other process as the original message, and both exit non-zero, quickly.

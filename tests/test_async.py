@@ -8,6 +8,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from transformers import TrainerCallback
+
+from trl_a3po import A3POConfig, A3POTrainer
+from trl_a3po.rollout import InProcessBackend, ProducerError
+from trl_a3po.rollout.policy_weights import policy_tensors
+from trl_a3po.rollout.vllm_server import VLLMServerUnreachable
+
 from conftest import (
     COMMON,
     VersionRecorder,
@@ -21,12 +28,6 @@ from conftest import (
     record_trained_samples,
     slow_generation,
 )
-from transformers import TrainerCallback
-
-from trl_a3po.rollout.policy_weights import policy_tensors
-from trl_a3po import A3POConfig, A3POTrainer
-from trl_a3po.rollout import InProcessBackend, ProducerError
-from trl_a3po.rollout.vllm_server import VLLMServerUnreachable
 
 
 class Recorder:
@@ -44,18 +45,14 @@ class Recorder:
 
 def make(tmp_path, tokenizer, dataset, reward=digit_reward, peft_config=None, **kwargs):
     args = A3POConfig(output_dir=str(tmp_path), **{**COMMON, **kwargs})
-    return A3POTrainer(model=make_model(tokenizer), reward_funcs=reward, args=args, train_dataset=dataset,
-                       processing_class=tokenizer, peft_config=peft_config)
-
-
-
-
-
-
-
-
-
-
+    return A3POTrainer(
+        model=make_model(tokenizer),
+        reward_funcs=reward,
+        args=args,
+        train_dataset=dataset,
+        processing_class=tokenizer,
+        peft_config=peft_config,
+    )
 
 
 def record_microbatches(trainer):
@@ -73,14 +70,22 @@ def record_microbatches(trainer):
 
 
 @pytest.mark.parametrize("steps_per_generation,max_staleness", [(1, None), (3, 1), (2, 3)])
-def test_async_trains_the_synchronous_prompt_order_within_the_bound(tmp_path, tokenizer, prompt_dataset,
-                                                                    steps_per_generation, max_staleness):
+def test_async_trains_the_synchronous_prompt_order_within_the_bound(
+    tmp_path, tokenizer, prompt_dataset, steps_per_generation, max_staleness
+):
     runs = {}
     for mode in ("sync", "async"):
         reward = Recorder()
-        trainer = make(tmp_path / mode, tokenizer, prompt_dataset, reward=reward,
-                       steps_per_generation=steps_per_generation, max_steps=9 if steps_per_generation == 3 else 8,
-                       async_generation=(mode == "async"), max_staleness=max_staleness)
+        trainer = make(
+            tmp_path / mode,
+            tokenizer,
+            prompt_dataset,
+            reward=reward,
+            steps_per_generation=steps_per_generation,
+            max_steps=9 if steps_per_generation == 3 else 8,
+            async_generation=(mode == "async"),
+            max_staleness=max_staleness,
+        )
         trainer.train()
         runs[mode] = (reward.prompts, trainer)
     assert runs["async"][0] == runs["sync"][0]  # same prompts, same batches, same order: nothing dropped or repeated
@@ -96,8 +101,12 @@ def test_async_trains_the_synchronous_prompt_order_within_the_bound(tmp_path, to
         assert sum(d * f[step] for d, f in enumerate(fracs)) == pytest.approx(mean)
     # one queue entry per generation batch; never more generated batches waiting than the bound lets run ahead
     num_batches = len(runs["async"][0])
-    for key in ("a3po/queue/trainer_wait_s", "a3po/queue/producer_idle_s", "a3po/gen/tokens_per_s",
-                "a3po/gen/weight_sync_s"):
+    for key in (
+        "a3po/queue/trainer_wait_s",
+        "a3po/queue/producer_idle_s",
+        "a3po/gen/tokens_per_s",
+        "a3po/gen/weight_sync_s",
+    ):
         assert len(logged(trainer, key)) == num_batches, key
     assert all(depth in range(eta + 1) for depth in logged(trainer, "a3po/queue/depth"))
     assert producer_threads() == []  # the producer is stopped when training ends
@@ -127,7 +136,7 @@ def test_async_max_staleness_2_uses_alpha_one_half(tmp_path, tokenizer, prompt_d
     assert staleness[:4] == [0] * 4  # the first batch can only come from version 0
     assert staleness.count(2) >= 4, staleness  # the producer ran two batches ahead at least once
     # one version per training step: the staleness is constant over each group of 4 optimizer steps
-    assert all(len(set(staleness[i:i + 4])) == 1 for i in range(0, 24, 4))
+    assert all(len(set(staleness[i : i + 4])) == 1 for i in range(0, 24, 4))
     for d, alpha in zip(logged(trainer, "a3po/staleness/mean"), logged(trainer, "a3po/alpha/mean")):
         assert alpha == {0: 1.0, 1: 1.0, 2: 0.5}[d]
     assert 2 in alphas_used
@@ -144,17 +153,20 @@ def test_a_default_async_run_engages_the_a3po_approximation(tmp_path, tokenizer,
         assert alpha == (0.5 if d == 2 else 1.0)
 
 
-
-
-
-
-
-
 @pytest.mark.parametrize("async_generation", [True, False])
-def test_every_sample_behaviour_logprobs_come_from_its_recorded_version(tmp_path, tokenizer, prompt_dataset,
-                                                                        async_generation):
-    trainer = make(tmp_path, tokenizer, prompt_dataset, steps_per_generation=2, max_steps=12, max_staleness=2,
-                   learning_rate=1e-2, async_generation=async_generation)
+def test_every_sample_behaviour_logprobs_come_from_its_recorded_version(
+    tmp_path, tokenizer, prompt_dataset, async_generation
+):
+    trainer = make(
+        tmp_path,
+        tokenizer,
+        prompt_dataset,
+        steps_per_generation=2,
+        max_steps=12,
+        max_staleness=2,
+        learning_rate=1e-2,
+        async_generation=async_generation,
+    )
     versions = VersionRecorder(trainer)
     trainer.add_callback(versions)
     samples = record_trained_samples(trainer)
@@ -169,8 +181,9 @@ def test_every_sample_behaviour_logprobs_come_from_its_recorded_version(tmp_path
 
 
 @pytest.mark.parametrize("continuous", [False, True])
-def test_inflight_weight_updates_keep_every_token_on_its_recorded_version(tmp_path, tokenizer, prompt_dataset,
-                                                                         monkeypatch, continuous):
+def test_inflight_weight_updates_keep_every_token_on_its_recorded_version(
+    tmp_path, tokenizer, prompt_dataset, monkeypatch, continuous
+):
     # In-flight updates on: generation slowed (20 ms a token) so that versions are published mid-sequence. Every
     # trained token's behaviour log-prob is what its own recorded version gives it, sequences do mix versions, the
     # bound holds per token, and the prompt order is the synchronous run's. Continuous: the batches waiting are
@@ -178,15 +191,30 @@ def test_inflight_weight_updates_keep_every_token_on_its_recorded_version(tmp_pa
     slow_generation(monkeypatch)
     rows_per_call = []
     generate_until = InProcessBackend.generate_until
-    monkeypatch.setattr(InProcessBackend, "generate_until", lambda backend, prompt_ids, *args, **kwargs: (
-        rows_per_call.append(len(prompt_ids)) or generate_until(backend, prompt_ids, *args, **kwargs)))
+    monkeypatch.setattr(
+        InProcessBackend,
+        "generate_until",
+        lambda backend, prompt_ids, *args, **kwargs: (
+            rows_per_call.append(len(prompt_ids)) or generate_until(backend, prompt_ids, *args, **kwargs)
+        ),
+    )
     runs = {}
     for mode in ("sync", "inflight"):
         reward = Recorder()
-        trainer = make(tmp_path / mode, tokenizer, prompt_dataset, reward=reward, steps_per_generation=2, max_steps=12,
-                       max_staleness=2, learning_rate=1e-2, max_completion_length=16,
-                       async_generation=mode == "inflight", inflight_weight_updates=mode == "inflight",
-                       continuous_generation=continuous and mode == "inflight")
+        trainer = make(
+            tmp_path / mode,
+            tokenizer,
+            prompt_dataset,
+            reward=reward,
+            steps_per_generation=2,
+            max_steps=12,
+            max_staleness=2,
+            learning_rate=1e-2,
+            max_completion_length=16,
+            async_generation=mode == "inflight",
+            inflight_weight_updates=mode == "inflight",
+            continuous_generation=continuous and mode == "inflight",
+        )
         versions = VersionRecorder(trainer)
         trainer.add_callback(versions)
         samples = record_trained_samples(trainer)
@@ -197,8 +225,14 @@ def test_inflight_weight_updates_keep_every_token_on_its_recorded_version(tmp_pa
     assert (max(rows_per_call) > trainer.args.generation_batch_size) == continuous, rows_per_call
     assert check_behaviour_logprobs_against_versions(trainer, versions, samples, atol=1e-5) == 12 * 4
     assert max(logged(trainer, "a3po/gen/mixed_version_frac")) > 0
-    assert sum(len(set(s["behavior_version"][row][s["completion_mask"][row].bool()].tolist())) > 1
-               for s in samples for row in range(4)) > 0
+    assert (
+        sum(
+            len(set(s["behavior_version"][row][s["completion_mask"][row].bool()].tolist())) > 1
+            for s in samples
+            for row in range(4)
+        )
+        > 0
+    )
     assert max(logged(trainer, "a3po/staleness/max")) <= 2
     assert producer_threads() == []
 
@@ -210,14 +244,16 @@ def test_in_process_generate_until_gives_each_row_its_own_budget_and_the_behavio
     from transformers import GenerationConfig
 
     model = make_model(tokenizer).eval()
-    config = GenerationConfig(do_sample=True, max_new_tokens=6, pad_token_id=0, eos_token_id=1, temperature=1.0,
-                              top_k=0, top_p=1.0)
+    config = GenerationConfig(
+        do_sample=True, max_new_tokens=6, pad_token_id=0, eos_token_id=1, temperature=1.0, top_k=0, top_p=1.0
+    )
     backend = InProcessBackend(model, config, pad_token_id=0, eos_token_ids=[1])
     prompts, generated = [[5, 6, 7], [8, 9], [10, 11, 12, 13, 14], [15]], [0, 2, 5, 3]
     asked = []
     torch.manual_seed(0)
-    ids, logprobs, unfinished = backend.generate_until(prompts, threading.Event(), lambda: asked.append(1) or False,
-                                                       generated)
+    ids, logprobs, unfinished = backend.generate_until(
+        prompts, threading.Event(), lambda: asked.append(1) or False, generated
+    )
     for row, (prompt, done) in enumerate(zip(prompts, generated)):
         budget = 6 - done
         ended = bool(ids[row]) and ids[row][-1] == 1
@@ -231,8 +267,9 @@ def test_in_process_generate_until_gives_each_row_its_own_budget_and_the_behavio
     # stopped after the third token: rows with budget and no EOS yet come back unfinished, all cut there; the others
     # finished by then (budgets 6, 4, 1, 3)
     asked.clear()
-    ids, _, unfinished = backend.generate_until(prompts, threading.Event(), lambda: asked.append(1) or len(asked) == 3,
-                                                generated)
+    ids, _, unfinished = backend.generate_until(
+        prompts, threading.Event(), lambda: asked.append(1) or len(asked) == 3, generated
+    )
     stopped_at = 3
     assert unfinished[:2] == [ids[0][-1] != 1, ids[1][-1] != 1] and unfinished[2:] == [False, False]
     for row, budget in enumerate(6 - done for done in generated):
@@ -245,8 +282,14 @@ def test_in_process_generate_until_gives_each_row_its_own_budget_and_the_behavio
 def test_async_lora_snapshot_generates_with_the_merged_policy(tmp_path, tokenizer, prompt_dataset):
     from peft import LoraConfig
 
-    trainer = make(tmp_path, tokenizer, prompt_dataset, steps_per_generation=2, max_steps=4,
-                   peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0))
+    trainer = make(
+        tmp_path,
+        tokenizer,
+        prompt_dataset,
+        steps_per_generation=2,
+        max_steps=4,
+        peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0),
+    )
     trainer.train()
     lora_b = [p for n, p in trainer.model.named_parameters() if "lora_B" in n]
     assert any(torch.count_nonzero(p) > 0 for p in lora_b)  # the adapter trained, so merging matters
@@ -287,8 +330,9 @@ def test_producer_exception_surfaces_in_the_trainer_within_a_step(tmp_path, toke
 
 def test_unreachable_vllm_server_fails_fast_naming_host_and_port(tmp_path, tokenizer, prompt_dataset):
     port = free_port()
-    trainer = make(tmp_path, tokenizer, prompt_dataset, rollout_backend="vllm_server", vllm_server_port=port,
-                   max_steps=1)
+    trainer = make(
+        tmp_path, tokenizer, prompt_dataset, rollout_backend="vllm_server", vllm_server_port=port, max_steps=1
+    )
     start = time.perf_counter()
     with pytest.raises(VLLMServerUnreachable, match=f"127.0.0.1:{port}"):
         trainer.train()
@@ -297,17 +341,24 @@ def test_unreachable_vllm_server_fails_fast_naming_host_and_port(tmp_path, token
 
 # a batch boundary, inside one; inside one with in-flight updates, with continuous generation
 @pytest.mark.parametrize("steps_per_generation,shards", [(1, 1), (2, 1), (2, 3)])
-def test_an_iterable_dataset_trains_asynchronously_in_the_synchronous_prompt_order(tmp_path, tokenizer, prompt_dataset,
-                                                                                  steps_per_generation, shards):
+def test_an_iterable_dataset_trains_asynchronously_in_the_synchronous_prompt_order(
+    tmp_path, tokenizer, prompt_dataset, steps_per_generation, shards
+):
     # A streamed dataset (TRL: buffered shuffle, repeats baked into the stream) has no sampler to replay: the producer
     # reads the stream ahead of the trainer, past the end of an epoch too (6 prompts, 1 or 2 per generation batch:
     # a reshuffled second epoch).
     runs = {}
     for mode in ("sync", "async"):
         reward = Recorder()
-        trainer = make(tmp_path / mode, tokenizer, prompt_dataset.select(range(6)).to_iterable_dataset(shards),
-                       reward=reward, steps_per_generation=steps_per_generation, max_steps=10,
-                       async_generation=(mode == "async"))
+        trainer = make(
+            tmp_path / mode,
+            tokenizer,
+            prompt_dataset.select(range(6)).to_iterable_dataset(shards),
+            reward=reward,
+            steps_per_generation=steps_per_generation,
+            max_steps=10,
+            async_generation=(mode == "async"),
+        )
         if mode == "async":
             generate_two_versions_ahead(trainer)
         trainer.train()
@@ -319,18 +370,33 @@ def test_an_iterable_dataset_trains_asynchronously_in_the_synchronous_prompt_ord
     assert len(set(sum(prompts[:epoch], []))) == 6  # the first epoch: every prompt once
     assert prompts[epoch:] != prompts[: len(prompts) - epoch]  # the second epoch is reshuffled, and still followed
     # staleness 2 from the third generation batch on (a version = one generation batch's optimizer steps)
-    assert logged(runs["async"][1], "a3po/staleness/max")[2 * steps_per_generation:] == [2] * (
-        10 - 2 * steps_per_generation)
+    assert logged(runs["async"][1], "a3po/staleness/max")[2 * steps_per_generation :] == [2] * (
+        10 - 2 * steps_per_generation
+    )
     assert producer_threads() == []
 
 
-@pytest.mark.parametrize("resume_step,inflight,continuous,iterable", [
-    (3, False, False, False), (2, False, False, False), (2, True, False, False), (2, False, True, False),
-    (2, False, False, True)])
-def test_resume_continues_the_order_without_skipping_or_repeating(tmp_path, tokenizer, prompt_dataset, resume_step,
-                                                                 inflight, continuous, iterable):
-    kwargs = dict(steps_per_generation=3, max_steps=9, save_strategy="steps", save_steps=resume_step,
-                  inflight_weight_updates=inflight, continuous_generation=continuous)
+@pytest.mark.parametrize(
+    "resume_step,inflight,continuous,iterable",
+    [
+        (3, False, False, False),
+        (2, False, False, False),
+        (2, True, False, False),
+        (2, False, True, False),
+        (2, False, False, True),
+    ],
+)
+def test_resume_continues_the_order_without_skipping_or_repeating(
+    tmp_path, tokenizer, prompt_dataset, resume_step, inflight, continuous, iterable
+):
+    kwargs = dict(
+        steps_per_generation=3,
+        max_steps=9,
+        save_strategy="steps",
+        save_steps=resume_step,
+        inflight_weight_updates=inflight,
+        continuous_generation=continuous,
+    )
     dataset = prompt_dataset.to_iterable_dataset() if iterable else prompt_dataset
     full = make(tmp_path / "full", tokenizer, dataset, **kwargs)
     full_batches = record_microbatches(full)
@@ -357,8 +423,9 @@ def test_a_run_killed_mid_step_resumes_from_its_checkpoint_in_the_synchronous_or
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
 
     def run(mode):
-        result = subprocess.run([sys.executable, str(script), str(tmp_path), mode], env=env, capture_output=True,
-                                text=True, timeout=300)
+        result = subprocess.run(
+            [sys.executable, str(script), str(tmp_path), mode], env=env, capture_output=True, text=True, timeout=300
+        )
         return result.returncode, [json.loads(line) for line in (tmp_path / f"{mode}.jsonl").read_text().splitlines()]
 
     rc, full = run("full")
@@ -393,8 +460,9 @@ class _FailingOptimizerStep(TrainerCallback):
 
 @pytest.mark.parametrize("how", ["raise", "sigint"])
 @pytest.mark.parametrize("inflight,continuous", [(False, False), (True, False), (False, True)])
-def test_a_failure_during_training_ends_train_fast_with_no_thread_left(tmp_path, tokenizer, prompt_dataset,
-                                                                       monkeypatch, request, how, inflight, continuous):
+def test_a_failure_during_training_ends_train_fast_with_no_thread_left(
+    tmp_path, tokenizer, prompt_dataset, monkeypatch, request, how, inflight, continuous
+):
     if how == "sigint":
         # A process started in the background (`nohup ... &`) inherits SIGINT ignored, and Python then installs no
         # KeyboardInterrupt handler: install the one a Ctrl-C in a terminal meets.
@@ -424,8 +492,16 @@ def test_a_failure_during_training_ends_train_fast_with_no_thread_left(tmp_path,
         return real(self, prompt_ids, stop, *args, **kwargs)
 
     monkeypatch.setattr(InProcessBackend, method, slow)
-    trainer = make(tmp_path, tokenizer, prompt_dataset, steps_per_generation=2, max_steps=8,
-                   max_completion_length=64, inflight_weight_updates=inflight, continuous_generation=continuous)
+    trainer = make(
+        tmp_path,
+        tokenizer,
+        prompt_dataset,
+        steps_per_generation=2,
+        max_steps=8,
+        max_completion_length=64,
+        inflight_weight_updates=inflight,
+        continuous_generation=continuous,
+    )
     # Continuous: batch 3, the first generated after version 1 is published (optimizer step 2), crawls: the failure
     # comes during optimizer step 4.
     at_step = 3 if continuous else 1
@@ -443,11 +519,9 @@ def test_a_failure_during_training_ends_train_fast_with_no_thread_left(tmp_path,
     assert producer_threads() == []  # the producer and, continuous, every stream thread
 
 
-@pytest.mark.parametrize("case", ["tools", "grpo_config", "dora", "ia3", "lora_bias", "images",
-                                  "images_coupled"])
+@pytest.mark.parametrize("case", ["tools", "grpo_config", "dora", "ia3", "lora_bias", "images", "images_coupled"])
 def test_unsupported_inputs_are_refused_before_any_model_work(tmp_path, tokenizer, prompt_dataset, monkeypatch, case):
     from peft import IA3Config, LoraConfig
-
     from trl import GRPOConfig, GRPOTrainer
 
     def trl_init(*args, **kwargs):
@@ -472,8 +546,9 @@ def test_unsupported_inputs_are_refused_before_any_model_work(tmp_path, tokenize
         kwargs["train_dataset"] = prompt_dataset.add_column("image", [None] * len(prompt_dataset))
         error, pattern = ValueError, r"decoupled loss is text-only: the image inputs of this dataset \(its \['image'\]"
     elif case == "images_coupled":  # GRPOTrainer's own loss, but generated ahead from the text prompts alone
-        kwargs["args"] = A3POConfig(output_dir=str(tmp_path), use_decoupled_loss=False, async_generation=True,
-                                    max_staleness=0, **COMMON)
+        kwargs["args"] = A3POConfig(
+            output_dir=str(tmp_path), use_decoupled_loss=False, async_generation=True, max_staleness=0, **COMMON
+        )
         kwargs["train_dataset"] = prompt_dataset.add_column("images", [None] * len(prompt_dataset))
         error, pattern = ValueError, r"generates from text prompts alone: this dataset's \['images'\] column"
     else:
@@ -494,8 +569,17 @@ def test_coupled_grpo_on_the_producer_at_max_staleness_0_is_synchronous(tmp_path
     runs = {}
     for mode, extra in (("queue", dict(async_generation=True, max_staleness=0)), ("sync", {})):
         reward = Recorder()
-        trainer = make(tmp_path / mode, tokenizer, prompt_dataset, reward=reward, use_decoupled_loss=False,
-                       steps_per_generation=2, max_steps=8, learning_rate=1e-2, **extra)
+        trainer = make(
+            tmp_path / mode,
+            tokenizer,
+            prompt_dataset,
+            reward=reward,
+            use_decoupled_loss=False,
+            steps_per_generation=2,
+            max_steps=8,
+            learning_rate=1e-2,
+            **extra,
+        )
         seen = record_trained_samples(trainer, ("completion_mask", "old_per_token_logps", "sampling_per_token_logps"))
         trainer.train()
         runs[mode] = reward.prompts
@@ -510,10 +594,10 @@ def test_coupled_grpo_on_the_producer_at_max_staleness_0_is_synchronous(tmp_path
 
 
 @pytest.mark.parametrize("bad", [None, "", "   ", 7, [], [{"content": "no role"}]])
-def test_a_row_without_a_usable_prompt_is_named_before_any_model_work(tmp_path, tokenizer, prompt_dataset, monkeypatch,
-                                                                      bad):
+def test_a_row_without_a_usable_prompt_is_named_before_any_model_work(
+    tmp_path, tokenizer, prompt_dataset, monkeypatch, bad
+):
     from datasets import Dataset
-
     from trl import GRPOTrainer
 
     def trl_init(*args, **kwargs):
@@ -549,14 +633,19 @@ def test_an_empty_or_too_small_dataset_is_refused_with_its_size(tmp_path, prompt
     # 4 samples per step x 2 steps per generation / 4 generations: 2 distinct prompts per generation batch
     args = A3POConfig(output_dir=str(tmp_path), **{**COMMON, "steps_per_generation": 2})
     with pytest.raises(ValueError, match=rf"train_dataset has {rows} rows, fewer than the 2 distinct prompts"):
-        A3POTrainer(model="never-loaded", reward_funcs=digit_reward, args=args,
-                    train_dataset=prompt_dataset.select(range(rows)))
+        A3POTrainer(
+            model="never-loaded",
+            reward_funcs=digit_reward,
+            args=args,
+            train_dataset=prompt_dataset.select(range(rows)),
+        )
 
 
 def test_a_cooled_sampler_keeps_every_token_on_its_recorded_version(tmp_path, tokenizer, prompt_dataset):
     # sampling_temperature: each token's behaviour log-prob is its version's weights at the sampler's temperature
-    trainer = make(tmp_path, tokenizer, prompt_dataset, max_steps=8, learning_rate=1e-2, temperature=1.0,
-                   sampling_temperature=0.7)
+    trainer = make(
+        tmp_path, tokenizer, prompt_dataset, max_steps=8, learning_rate=1e-2, temperature=1.0, sampling_temperature=0.7
+    )
     generate_two_versions_ahead(trainer)
     versions = VersionRecorder(trainer)
     trainer.add_callback(versions)

@@ -6,23 +6,40 @@ import subprocess
 import sys
 from pathlib import Path
 
+
 REPO = Path(__file__).resolve().parent.parent
 # Blocks the packages the device lacks: any import of them fails, as it would there.
-WITHOUT_TRL = "import runpy, sys; sys.modules.update(trl=None, datasets=None, math_verify=None, peft=None); " \
-              "script = sys.argv[1]; sys.argv = sys.argv[1:]; runpy.run_path(script, run_name='__main__')"
+WITHOUT_TRL = (
+    "import runpy, sys; sys.modules.update(trl=None, datasets=None, math_verify=None, peft=None); "
+    "script = sys.argv[1]; sys.argv = sys.argv[1:]; runpy.run_path(script, run_name='__main__')"
+)
 
 
 def run_without_trl(*argv):
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    result = subprocess.run([sys.executable, "-c", WITHOUT_TRL, *argv], cwd=REPO, env=env, capture_output=True,
-                            text=True, timeout=300)
+    result = subprocess.run(
+        [sys.executable, "-c", WITHOUT_TRL, *argv], cwd=REPO, env=env, capture_output=True, text=True, timeout=300
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     return result.stdout
 
 
 def test_prox_cost_runs_without_trl_and_prints_the_ratio():
-    out = run_without_trl("benchmarks/prox_cost.py", "--models", "tiny", "--shapes", "2x16", "--prompt-tokens", "8",
-                          "--micro-batch", "2", "--repeats", "2", "--device", "cpu")
+    out = run_without_trl(
+        "benchmarks/prox_cost.py",
+        "--models",
+        "tiny",
+        "--shapes",
+        "2x16",
+        "--prompt-tokens",
+        "8",
+        "--micro-batch",
+        "2",
+        "--repeats",
+        "2",
+        "--device",
+        "cpu",
+    )
     row = [line for line in out.splitlines() if line.startswith("tiny")]
     assert len(row) == 1 and row[0].rstrip().endswith("x"), out
     ratio = float(row[0].split()[-1].rstrip("x").replace(",", ""))
@@ -30,8 +47,23 @@ def test_prox_cost_runs_without_trl_and_prints_the_ratio():
 
 
 def test_step_cost_runs_without_trl():
-    out = run_without_trl("benchmarks/step_cost.py", "--model", "tiny", "--batch", "2", "--prompt-tokens", "8",
-                          "--completion-tokens", "8", "--micro-batch", "1", "--steps", "2", "--device", "cpu")
+    out = run_without_trl(
+        "benchmarks/step_cost.py",
+        "--model",
+        "tiny",
+        "--batch",
+        "2",
+        "--prompt-tokens",
+        "8",
+        "--completion-tokens",
+        "8",
+        "--micro-batch",
+        "1",
+        "--steps",
+        "2",
+        "--device",
+        "cpu",
+    )
     assert "recompute" in out and "loglinear" in out, out
 
 
@@ -42,19 +74,43 @@ def test_learning_benchmark_summary_reads_a_run_log(tmp_path):
 
     learning = runpy.run_path(str(REPO / "benchmarks" / "learning.py"))
     steps = [  # 4 optimizer steps, 2 per generation batch: reward logged on the first of each
-        {"step": 1, "step_time": 1.0, "reward": 0.25, "a3po/wall_time_s": 10.0, "a3po/prox_time_s": 0.5,
-         "a3po/staleness/frac_d0": 1.0},
-        {"step": 2, "step_time": 1.0, "a3po/wall_time_s": 20.0, "a3po/prox_time_s": 0.5,
-         "a3po/staleness/frac_d0": 1.0},
-        {"step": 3, "step_time": 1.0, "reward": 0.75, "a3po/wall_time_s": 30.0, "a3po/prox_time_s": 1.5,
-         "a3po/staleness/frac_d1": 0.25, "a3po/staleness/frac_d2": 0.75},
-        {"step": 4, "step_time": 1.0, "a3po/wall_time_s": 41.5, "a3po/prox_time_s": 1.5,
-         "a3po/staleness/frac_d2": 1.0},
+        {
+            "step": 1,
+            "step_time": 1.0,
+            "reward": 0.25,
+            "a3po/wall_time_s": 10.0,
+            "a3po/prox_time_s": 0.5,
+            "a3po/staleness/frac_d0": 1.0,
+        },
+        {
+            "step": 2,
+            "step_time": 1.0,
+            "a3po/wall_time_s": 20.0,
+            "a3po/prox_time_s": 0.5,
+            "a3po/staleness/frac_d0": 1.0,
+        },
+        {
+            "step": 3,
+            "step_time": 1.0,
+            "reward": 0.75,
+            "a3po/wall_time_s": 30.0,
+            "a3po/prox_time_s": 1.5,
+            "a3po/staleness/frac_d1": 0.25,
+            "a3po/staleness/frac_d2": 0.75,
+        },
+        {
+            "step": 4,
+            "step_time": 1.0,
+            "a3po/wall_time_s": 41.5,
+            "a3po/prox_time_s": 1.5,
+            "a3po/staleness/frac_d2": 1.0,
+        },
         {"train_runtime": 50.0},
     ]
     (tmp_path / "trainer_state.json").write_text(json.dumps({"log_history": steps}))
-    result = learning["summarize"]("loglinear", 1, str(tmp_path / "trainer_state.json"), {"accuracy": 0.125},
-                                   {"accuracy": 0.5})
+    result = learning["summarize"](
+        "loglinear", 1, str(tmp_path / "trainer_state.json"), {"accuracy": 0.125}, {"accuracy": 0.5}
+    )
     assert result["steps"] == 4 and result["train_s"] == 41.5 and result["prox_s_per_step"] == 1.0
     assert result["reward_first3"] == 0.5 and result["reward_last3"] == 0.5  # both batches in each window of 3
     assert result["staleness_share"] == {"0": 0.5, "1": 0.0625, "2": 0.4375}  # each step weighs 1/4
@@ -62,8 +118,9 @@ def test_learning_benchmark_summary_reads_a_run_log(tmp_path):
     # a sync log has no staleness keys: every sample was generated by the version that trains it
     sync = [{k: v for k, v in h.items() if "staleness" not in k and "prox" not in k} for h in steps]
     (tmp_path / "trainer_state.json").write_text(json.dumps({"log_history": sync}))
-    result = learning["summarize"]("sync", 0, str(tmp_path / "trainer_state.json"), {"accuracy": 0.1},
-                                   {"accuracy": 0.2})
+    result = learning["summarize"](
+        "sync", 0, str(tmp_path / "trainer_state.json"), {"accuracy": 0.1}, {"accuracy": 0.2}
+    )
     assert result["staleness_share"] == {"0": 1.0} and result["prox_s_per_step"] is None
 
 
@@ -76,14 +133,36 @@ def test_learning_sweep_runs_and_paired_differences():
     runs = learning["all_runs"]()
     # per seed: sync + {recompute, loglinear} x {2, 4, 8}, a metrics run per staleness, then the cooled sampler
     assert len(runs) == len(set(runs)) == 3 * (1 + 2 * 3) + 3 + 3 * 2
-    assert runs[:10] == [("sync", 0, 0), ("recompute", 8, 0), ("loglinear", 8, 0), ("sync", 0, 1),
-                         ("recompute", 8, 1), ("loglinear", 8, 1), ("sync", 0, 2), ("recompute", 8, 2),
-                         ("loglinear", 8, 2), ("metrics", 8, 0)]
-    assert runs[10:17] == [("recompute", 4, 0), ("loglinear", 4, 0), ("recompute", 4, 1), ("loglinear", 4, 1),
-                           ("recompute", 4, 2), ("loglinear", 4, 2), ("metrics", 4, 0)]
+    assert runs[:10] == [
+        ("sync", 0, 0),
+        ("recompute", 8, 0),
+        ("loglinear", 8, 0),
+        ("sync", 0, 1),
+        ("recompute", 8, 1),
+        ("loglinear", 8, 1),
+        ("sync", 0, 2),
+        ("recompute", 8, 2),
+        ("loglinear", 8, 2),
+        ("metrics", 8, 0),
+    ]
+    assert runs[10:17] == [
+        ("recompute", 4, 0),
+        ("loglinear", 4, 0),
+        ("recompute", 4, 1),
+        ("loglinear", 4, 1),
+        ("recompute", 4, 2),
+        ("loglinear", 4, 2),
+        ("metrics", 4, 0),
+    ]
     assert runs[23] == ("metrics", 2, 0)
-    assert runs[24:] == [("cooled", 8, 0), ("cooled", 8, 1), ("cooled", 8, 2), ("cooled", 4, 0), ("cooled", 4, 1),
-                         ("cooled", 4, 2)]
+    assert runs[24:] == [
+        ("cooled", 8, 0),
+        ("cooled", 8, 1),
+        ("cooled", 8, 2),
+        ("cooled", 4, 0),
+        ("cooled", 4, 1),
+        ("cooled", 4, 2),
+    ]
     assert learning["run_name"]("loglinear", 8, 1) == "loglinear-d8-s1"
     # differences 0.1 and 0.3: mean 0.2, sample std 0.1414, SE 0.1, t(0.975, 1 df) = 12.706
     assert learning["paired_difference"]([0.1, 0.3]) == ("+0.200 +- 0.100 (SE), 95% [-1.071, +1.471], 2 seeds")
@@ -96,22 +175,45 @@ def test_learning_sweep_report_pairs_runs_by_seed(tmp_path, capsys):
     import runpy
 
     learning = runpy.run_path(str(REPO / "benchmarks" / "learning.py"))
-    after = {("loglinear", 2, 0): 0.5, ("loglinear", 2, 1): 0.6, ("recompute", 2, 0): 0.4, ("recompute", 2, 1): 0.3,
-             ("sync", 0, 0): 0.45, ("loglinear", 4, 0): 0.5, ("recompute", 4, 0): 0.5, ("cooled", 4, 0): 0.55}
+    after = {
+        ("loglinear", 2, 0): 0.5,
+        ("loglinear", 2, 1): 0.6,
+        ("recompute", 2, 0): 0.4,
+        ("recompute", 2, 1): 0.3,
+        ("sync", 0, 0): 0.45,
+        ("loglinear", 4, 0): 0.5,
+        ("recompute", 4, 0): 0.5,
+        ("cooled", 4, 0): 0.55,
+    }
     for (method, d, seed), accuracy in after.items():
         run = tmp_path / "runs" / learning["run_name"](method, d, seed)
         run.mkdir(parents=True)
         # the evaluation after training: 60-80 s on one machine; d=4's recompute run had a machine 3x slower
         eval_s = 200.0 if (method, d) == ("recompute", 4) else 60.0 + 20.0 * seed
-        (run / "greedy_eval.json").write_text(json.dumps([{"step": 0, "accuracy": 0.13, "seconds": 150.0},
-                                                          {"step": 1, "accuracy": accuracy, "seconds": eval_s}]))
+        (run / "greedy_eval.json").write_text(
+            json.dumps(
+                [{"step": 0, "accuracy": 0.13, "seconds": 150.0}, {"step": 1, "accuracy": accuracy, "seconds": eval_s}]
+            )
+        )
         log = [{"step": 1, "step_time": 1.0, "reward": 0.1, "a3po/wall_time_s": 10.0 * (seed + 1)}]
         (run / "trainer_state.json").write_text(json.dumps({"log_history": log}))
-        (run / "result.json").write_text(json.dumps({
-            "method": method, "seed": seed, "max_staleness": d, "steps": 1, "greedy_before": 0.13,
-            "greedy_after": accuracy, "train_s": 100.0 if method == "loglinear" else 150.0 + 50.0 * seed,
-            "prox_s_per_step": 30.0 if method == "recompute" else None,
-            "staleness_share": {"0": 1.0}, "prox_error": {}, "first_batch": [0.1, 40.0]}))
+        (run / "result.json").write_text(
+            json.dumps(
+                {
+                    "method": method,
+                    "seed": seed,
+                    "max_staleness": d,
+                    "steps": 1,
+                    "greedy_before": 0.13,
+                    "greedy_after": accuracy,
+                    "train_s": 100.0 if method == "loglinear" else 150.0 + 50.0 * seed,
+                    "prox_s_per_step": 30.0 if method == "recompute" else None,
+                    "staleness_share": {"0": 1.0},
+                    "prox_error": {},
+                    "first_batch": [0.1, 40.0],
+                }
+            )
+        )
     learning["report"](str(tmp_path / "runs"), str(tmp_path / "figures"))
     out = capsys.readouterr().out
     # loglinear - recompute at d=2: seeds 0 and 1 give +0.1 and +0.3; loglinear - sync: seed 0 only, +0.05
@@ -124,8 +226,10 @@ def test_learning_sweep_report_pairs_runs_by_seed(tmp_path, capsys):
     assert "d=2 training time recompute / loglinear: 1.75x (mean over 2 seeds; per seed 1.50 2.00)" in out
     # a pair on machines of different speed gets no time ratio, and says why
     assert "d=4 training time" not in out
-    assert ("d=4 seed 0: no time ratio, the pair ran on machines of different speed (evaluation after training 200 s "
-            "for recompute, 60 s for loglinear)") in out
+    assert (
+        "d=4 seed 0: no time ratio, the pair ran on machines of different speed (evaluation after training 200 s "
+        "for recompute, 60 s for loglinear)"
+    ) in out
     # 30 s of proximal forward in 150 s and in 200 s of training
     assert "d=2 recompute's proximal forward passes: 17.5% of its training time (per seed 20.0% 15.0%)" in out
     assert (tmp_path / "figures" / "fig3_eval_reward.png").exists()
@@ -140,8 +244,12 @@ def test_demo_recipe_report_pairs_the_two_arms_by_seed(tmp_path, capsys):
 
     learning = runpy.run_path(str(REPO / "benchmarks" / "learning.py"))
     # accuracy reward per generation batch at trainer-clock seconds 300, 650, 800, 950
-    rewards = {("demo", 0): [0.0, 0.1, 0.2, 0.9], ("sweep-recipe", 0): [0.0, 0.3, 0.5, 0.0],
-               ("demo", 1): [0.1, 0.2, 0.2, 0.2], ("sweep-recipe", 1): [0.1, 0.2, 0.4, 0.2]}
+    rewards = {
+        ("demo", 0): [0.0, 0.1, 0.2, 0.9],
+        ("sweep-recipe", 0): [0.0, 0.3, 0.5, 0.0],
+        ("demo", 1): [0.1, 0.2, 0.2, 0.2],
+        ("sweep-recipe", 1): [0.1, 0.2, 0.4, 0.2],
+    }
     after = {("demo", 0): 0.30, ("sweep-recipe", 0): 0.40, ("demo", 1): 0.25, ("sweep-recipe", 1): 0.45}
     # seed 0's shorter run ends at 820 s: window (640, 820], the batches at 650 and 800; seed 1's runs both go past
     # 15 minutes: window (720, 900], the batch at 800 alone
@@ -149,23 +257,39 @@ def test_demo_recipe_report_pairs_the_two_arms_by_seed(tmp_path, capsys):
     for (arm, seed), values in rewards.items():
         run = tmp_path / f"{arm}-s{seed}"
         run.mkdir()
-        log = [{"step": i + 1, "a3po/wall_time_s": t, learning["ACCURACY"]: v}
-               for i, (t, v) in enumerate(zip((300.0, 650.0, 800.0, 950.0), values))]
+        log = [
+            {"step": i + 1, "a3po/wall_time_s": t, learning["ACCURACY"]: v}
+            for i, (t, v) in enumerate(zip((300.0, 650.0, 800.0, 950.0), values))
+        ]
         (run / "trainer_state.json").write_text(json.dumps({"log_history": log}))
-        (run / "result.json").write_text(json.dumps({"method": arm, "seed": seed, "greedy_before": 0.13,
-                                                     "greedy_after": after[arm, seed],
-                                                     "train_s": train_s[arm, seed]}))
+        (run / "result.json").write_text(
+            json.dumps(
+                {
+                    "method": arm,
+                    "seed": seed,
+                    "greedy_before": 0.13,
+                    "greedy_after": after[arm, seed],
+                    "train_s": train_s[arm, seed],
+                }
+            )
+        )
     learning["demo_recipe_report"](str(tmp_path))
     out = capsys.readouterr().out
     # windows: demo 0.15 and 0.2, sweep-recipe 0.4 and 0.4: differences +0.25 and +0.20, mean 0.225, SE 0.025,
     # t(1) 12.706; greedy differences +0.10 and +0.20
     assert "sweep-recipe - demo, greedy after: +0.150 +- 0.050 (SE), 95% [-0.485, +0.785], 2 seeds" in out
-    assert "sweep-recipe - demo, accuracy reward in the window: +0.225 +- 0.025 (SE), 95% [-0.093, +0.543], " \
-           "2 seeds" in out
+    assert (
+        "sweep-recipe - demo, accuracy reward in the window: +0.225 +- 0.025 (SE), 95% [-0.093, +0.543], "
+        "2 seeds" in out
+    )
     assert [line.split()[:6] for line in out.splitlines() if line.startswith(("demo ", "sweep-recipe "))] == [
-        ["demo", "2", "0.275", "+-", "0.035", "0.300"], ["sweep-recipe", "2", "0.425", "+-", "0.035", "0.400"]]
+        ["demo", "2", "0.275", "+-", "0.035", "0.300"],
+        ["sweep-recipe", "2", "0.425", "+-", "0.035", "0.400"],
+    ]
     assert [line.split()[6:9] for line in out.splitlines() if line.startswith(("demo ", "sweep-recipe "))] == [
-        ["0.250", "0.175", "+-"], ["0.450", "0.400", "+-"]]
+        ["0.250", "0.175", "+-"],
+        ["0.450", "0.400", "+-"],
+    ]
     assert "trained past 15 minutes: demo-s0 (960 s), demo-s1 (960 s), sweep-recipe-s1 (955 s)" in out
 
 
@@ -173,11 +297,15 @@ def test_gpu_check_runs_end_to_end_on_cpu_with_tiny_shapes():
     # benchmarks/gpu_check.sh as the GPU machine runs it, with tiny shapes on this CPU: its three tables, the last
     # from the real A3POTrainer with a synthetic tokenizer and reward (what the device has: no hub, no dataset).
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", "OMP_NUM_THREADS": "1"}
-    result = subprocess.run(["bash", "benchmarks/gpu_check.sh", "--cpu"], cwd=REPO, env=env, capture_output=True,
-                            text=True, timeout=600)
+    result = subprocess.run(
+        ["bash", "benchmarks/gpu_check.sh", "--cpu"], cwd=REPO, env=env, capture_output=True, text=True, timeout=600
+    )
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
-    rows = {line.split()[0]: line.split()[1:] for line in result.stdout.splitlines()
-            if line.split() and line.split()[0] in ("sync", "recompute", "loglinear", "loglinear-noahead")}
+    rows = {
+        line.split()[0]: line.split()[1:]
+        for line in result.stdout.splitlines()
+        if line.split() and line.split()[0] in ("sync", "recompute", "loglinear", "loglinear-noahead")
+    }
     assert sorted(rows) == ["loglinear", "loglinear-noahead", "recompute", "sync"], result.stdout[-3000:]
     prox_mean = {method: float(values[3]) for method, values in rows.items() if method != "sync"}
     assert prox_mean["recompute"] > prox_mean["loglinear"]  # a forward pass vs an element-wise interpolation

@@ -4,8 +4,9 @@ from trl_a3po import A3POConfig
 
 
 def make(tmp_path, **kwargs):
-    defaults = dict(output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=4, use_cpu=True,
-                    report_to="none")
+    defaults = dict(
+        output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=4, use_cpu=True, report_to="none"
+    )
     return A3POConfig(**{**defaults, **kwargs})
 
 
@@ -42,14 +43,23 @@ def test_every_field_has_help():
         (dict(behav_imp_weight_level="batch"), r"behav_imp_weight_level='batch' is not supported"),
         (dict(behav_imp_weight_min=1.0), r"behav_imp_weight_min=1.0 must be in \(0, 1\)"),
         (dict(behav_imp_weight_min=0.0), r"behav_imp_weight_min=0.0 must be in \(0, 1\)"),
-        (dict(behav_imp_weight_mode="truncate", behav_imp_weight_cap=None), r"'truncate' clamps weights at "
-                                                                            r"behav_imp_weight_cap, which is None"),
-        (dict(use_decoupled_loss=False, behav_imp_weight_level="sequence", behav_imp_weight_min=0.5),
-         r"behav_imp_weight_min, behav_imp_weight_level shape the decoupled loss.*use_decoupled_loss=False"),
-        (dict(continuous_generation=True, async_generation=False),
-         r"continuous_generation=True .* needs async_generation=True. Set continuous_generation=False"),
-        (dict(inflight_weight_updates=True, async_generation=False),
-         r"inflight_weight_updates=True .* needs async_generation=True. Set inflight_weight_updates=False"),
+        (
+            dict(behav_imp_weight_mode="truncate", behav_imp_weight_cap=None),
+            r"'truncate' clamps weights at "
+            r"behav_imp_weight_cap, which is None",
+        ),
+        (
+            dict(use_decoupled_loss=False, behav_imp_weight_level="sequence", behav_imp_weight_min=0.5),
+            r"behav_imp_weight_min, behav_imp_weight_level shape the decoupled loss.*use_decoupled_loss=False",
+        ),
+        (
+            dict(continuous_generation=True, async_generation=False),
+            r"continuous_generation=True .* needs async_generation=True. Set continuous_generation=False",
+        ),
+        (
+            dict(inflight_weight_updates=True, async_generation=False),
+            r"inflight_weight_updates=True .* needs async_generation=True. Set inflight_weight_updates=False",
+        ),
     ],
 )
 def test_bad_values_name_the_field(tmp_path, kwargs, pattern):
@@ -59,10 +69,18 @@ def test_bad_values_name_the_field(tmp_path, kwargs, pattern):
 
 def test_behaviour_weight_options(tmp_path):
     args = make(tmp_path)
-    assert (args.behav_imp_weight_mode, args.behav_imp_weight_min, args.behav_imp_weight_level) == ("mask", None,
-                                                                                                      "token")
-    args = make(tmp_path, behav_imp_weight_mode="truncate", behav_imp_weight_cap=2.0, behav_imp_weight_min=0.5,
-                behav_imp_weight_level="sequence")
+    assert (args.behav_imp_weight_mode, args.behav_imp_weight_min, args.behav_imp_weight_level) == (
+        "mask",
+        None,
+        "token",
+    )
+    args = make(
+        tmp_path,
+        behav_imp_weight_mode="truncate",
+        behav_imp_weight_cap=2.0,
+        behav_imp_weight_min=0.5,
+        behav_imp_weight_level="sequence",
+    )
     assert (args.behav_imp_weight_mode, args.behav_imp_weight_cap, args.behav_imp_weight_min) == ("truncate", 2.0, 0.5)
     assert make(tmp_path, behav_imp_weight_cap=None, behav_imp_weight_min=0.2).behav_imp_weight_min == 0.2
 
@@ -74,8 +92,12 @@ def test_coupled_mode_accepts_trl_only_loss_types(tmp_path):
 
 def test_staleness_bound_defaults_and_limits(tmp_path):
     # max_staleness counts policy versions (training steps), whatever the optimizer steps per generation batch
-    for kwargs in (dict(), dict(steps_per_generation=3), dict(gradient_accumulation_steps=4, steps_per_generation=16),
-                   dict(num_iterations=2, steps_per_generation=2)):
+    for kwargs in (
+        dict(),
+        dict(steps_per_generation=3),
+        dict(gradient_accumulation_steps=4, steps_per_generation=16),
+        dict(num_iterations=2, steps_per_generation=2),
+    ):
         assert make(tmp_path, **kwargs).max_staleness == 2  # asynchronous: where loglinear's alpha < 1 engages
         assert make(tmp_path, async_generation=False, **kwargs).max_staleness == 0
     assert make(tmp_path, max_staleness=1).max_staleness == 1
@@ -85,11 +107,19 @@ def test_staleness_bound_defaults_and_limits(tmp_path):
         make(tmp_path, max_staleness=-1)
 
 
-@pytest.mark.parametrize("kwargs", [dict(gradient_accumulation_steps=4, steps_per_generation=2),
-                                    dict(gradient_accumulation_steps=2, steps_per_generation=3)])
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(gradient_accumulation_steps=4, steps_per_generation=2),
+        dict(gradient_accumulation_steps=2, steps_per_generation=3),
+    ],
+)
 def test_a_generation_batch_must_end_on_an_optimizer_step(tmp_path, kwargs):
-    with pytest.raises(ValueError, match=r"steps_per_generation \(\d\) x num_iterations \(1\) = \d micro-batches per "
-                                         r"generation batch must be a multiple of gradient_accumulation_steps"):
+    with pytest.raises(
+        ValueError,
+        match=r"steps_per_generation \(\d\) x num_iterations \(1\) = \d micro-batches per "
+        r"generation batch must be a multiple of gradient_accumulation_steps",
+    ):
         make(tmp_path, **kwargs)
     # the coupled loss has no versions: TRL's own layouts stay available
     assert make(tmp_path, use_decoupled_loss=False, **kwargs).steps_per_generation == kwargs["steps_per_generation"]
@@ -103,8 +133,16 @@ def test_a_generation_batch_must_end_on_an_optimizer_step(tmp_path, kwargs):
         (dict(async_generation=True, use_decoupled_loss=False), r"max_staleness=2 .*coupled GRPO loss"),
         (dict(async_generation=True, use_decoupled_loss=False, max_staleness=1), r"or\s+max_staleness=0"),
         # the producer counts policy versions, with the coupled loss too
-        (dict(async_generation=True, use_decoupled_loss=False, max_staleness=0, steps_per_generation=3,
-              gradient_accumulation_steps=2), r"must be a multiple of\s+gradient_accumulation_steps"),
+        (
+            dict(
+                async_generation=True,
+                use_decoupled_loss=False,
+                max_staleness=0,
+                steps_per_generation=3,
+                gradient_accumulation_steps=2,
+            ),
+            r"must be a multiple of\s+gradient_accumulation_steps",
+        ),
         (dict(async_generation=True, use_vllm=True), r"rollout_backend='vllm_server'"),
         (dict(async_generation=False, rollout_backend="vllm_server"), r"use TRL's own use_vllm=True"),
         (dict(rollout_backend="sglang"), r"rollout_backend='sglang' is not supported"),
@@ -133,8 +171,13 @@ def test_the_docstring_documents_every_field_a3po_adds_in_trls_format():
     assert len(added) >= 12
     doc = A3POConfig.__doc__
     assert "    Parameters:\n" in doc
-    for f in added + [f for f in dataclasses.fields(A3POConfig) if f.name in ("vllm_server_host",
-                                                                                 "vllm_importance_sampling_correction")]:
+    for f in added + [
+        f
+        for f in dataclasses.fields(A3POConfig)
+        if f.name in ("vllm_server_host", "vllm_importance_sampling_correction")
+    ]:
         default = f'"{f.default}"' if isinstance(f.default, str) else f"{f.default}"
-        assert f"        {f.name} (`" in doc and f"defaults to `{default}`):" in doc.split(f"        {f.name} (`")[1].split(
-            "\n")[0], f.name
+        assert (
+            f"        {f.name} (`" in doc
+            and f"defaults to `{default}`):" in doc.split(f"        {f.name} (`")[1].split("\n")[0]
+        ), f.name

@@ -8,6 +8,7 @@ import pytest
 from trl_a3po import gsm8k_prompt, load_gsm8k
 from trl_a3po.data import ONE_SHOT, solution_steps
 
+
 LOCAL = Path(__file__).resolve().parent.parent / "recipes" / "data" / "gsm8k"
 
 
@@ -79,8 +80,10 @@ def test_addition_dataset_is_seeded_correct_and_held_out(tmp_path):
         assert (tmp_path / "a" / f"{split}.jsonl").read_text() == (tmp_path / "b" / f"{split}.jsonl").read_text()
     train, test = load_gsm8k(str(tmp_path / "a"), "train"), load_gsm8k(str(tmp_path / "a"), "test")
     assert len(train) == 300 and len(test) == 50
-    questions = {split: [p[-1]["content"].split("\n")[0] for p in data["prompt"]] for split, data in
-                 (("train", train), ("test", test))}
+    questions = {
+        split: [p[-1]["content"].split("\n")[0] for p in data["prompt"]]
+        for split, data in (("train", train), ("test", test))
+    }
     assert not set(questions["train"]) & set(questions["test"])  # held out
     for question, answer in zip(questions["test"], test["answer"]):
         a, b = (int(x) for x in question.removeprefix("What is ").removesuffix("?").split(" + "))

@@ -10,10 +10,12 @@ import math
 
 import pytest
 import torch
-from conftest import digit_reward, generate_two_versions_ahead, make_model, producer_threads
 from trl import GRPOConfig, GRPOTrainer
 
 from trl_a3po import A3POConfig, A3POTrainer
+
+from conftest import digit_reward, generate_two_versions_ahead, make_model, producer_threads
+
 
 LOSS_TYPES = ["grpo", "bnpo", "dr_grpo", "dapo", "luspo", "cispo", "sapo", "vespo"]
 LEVELS = ["token", "sequence"]
@@ -21,8 +23,9 @@ LEVELS = ["token", "sequence"]
 OPTIONS = {
     "delta": dict(loss_type="grpo", delta=1.1),
     "entropy_bonus": dict(loss_type="grpo", entropy_coef=0.05),
-    "adaptive_entropy": dict(loss_type="dapo", use_adaptive_entropy=True, entropy_coef=0.05, entropy_target=100.0,
-                             entropy_coef_delta=0.01),
+    "adaptive_entropy": dict(
+        loss_type="dapo", use_adaptive_entropy=True, entropy_coef=0.05, entropy_target=100.0, entropy_coef_delta=0.01
+    ),
     "entropy_mask": dict(loss_type="grpo", top_entropy_quantile=0.5),
     "off_policy_mask": dict(loss_type="bnpo", off_policy_mask_threshold=0.02),
     "kl_bias_corrected": dict(loss_type="grpo", beta=0.1, use_bias_correction_kl=True),
@@ -30,8 +33,17 @@ OPTIONS = {
 CASES = [dict(loss_type=t, importance_sampling_level=lv) for t in LOSS_TYPES for lv in LEVELS] + list(OPTIONS.values())
 IDS = [f"{t}-{lv}" for t in LOSS_TYPES for lv in LEVELS] + list(OPTIONS)
 
-COMMON = dict(per_device_train_batch_size=4, num_generations=4, max_completion_length=6, report_to="none",
-              use_cpu=True, save_strategy="no", seed=0, bf16=False, epsilon=0.1)
+COMMON = dict(
+    per_device_train_batch_size=4,
+    num_generations=4,
+    max_completion_length=6,
+    report_to="none",
+    use_cpu=True,
+    save_strategy="no",
+    seed=0,
+    bf16=False,
+    epsilon=0.1,
+)
 
 
 def make(tmp_path, tokenizer, dataset, trainer_cls, config_cls, **kwargs):
@@ -40,15 +52,19 @@ def make(tmp_path, tokenizer, dataset, trainer_cls, config_cls, **kwargs):
     if args.beta != 0.0:  # TRL loads the reference model by name
         model.save_pretrained(tmp_path / "model")
         model = str(tmp_path / "model")
-    return trainer_cls(model=model, reward_funcs=digit_reward, args=args, train_dataset=dataset,
-                       processing_class=tokenizer)
+    return trainer_cls(
+        model=model, reward_funcs=digit_reward, args=args, train_dataset=dataset, processing_class=tokenizer
+    )
 
 
 def forward(trainer, batch):
     return trainer._get_per_token_logps_and_entropies(
-        trainer.model, torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1),
-        torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1), batch["completion_ids"].size(1),
-        compute_entropy=True)
+        trainer.model,
+        torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1),
+        torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1),
+        batch["completion_ids"].size(1),
+        compute_entropy=True,
+    )
 
 
 def make_batch(trainer, seed=0, noise=0.15):
@@ -63,9 +79,15 @@ def make_batch(trainer, seed=0, noise=0.15):
     completion_mask = torch.ones_like(completion_ids)
     completion_mask[1, 4:] = 0
     completion_mask[3, 2:] = 0
-    batch = dict(prompt_ids=prompt_ids, prompt_mask=prompt_mask, completion_ids=completion_ids,
-                 completion_mask=completion_mask, advantages=torch.tensor([1.0, -0.5, 0.25, -1.5]),
-                 num_items_in_batch=completion_mask.sum(), behavior_version=torch.zeros_like(completion_ids))
+    batch = dict(
+        prompt_ids=prompt_ids,
+        prompt_mask=prompt_mask,
+        completion_ids=completion_ids,
+        completion_mask=completion_mask,
+        advantages=torch.tensor([1.0, -0.5, 0.25, -1.5]),
+        num_items_in_batch=completion_mask.sum(),
+        behavior_version=torch.zeros_like(completion_ids),
+    )
     with torch.no_grad():
         logp, _, _ = forward(trainer, batch)
     anchor = logp + noise * torch.randn(logp.shape, generator=g)
@@ -167,12 +189,21 @@ def reference_loss(trainer, batch, logp, entropies, anchor, cap):
 
 
 @pytest.mark.parametrize("method", ["loglinear", "recompute"])
-@pytest.mark.parametrize("case", [c for c in CASES if not c.get("use_adaptive_entropy")],
-                         ids=[i for i in IDS if i != "adaptive_entropy"])
+@pytest.mark.parametrize(
+    "case", [c for c in CASES if not c.get("use_adaptive_entropy")], ids=[i for i in IDS if i != "adaptive_entropy"]
+)
 def test_at_staleness_2_the_decoupled_loss_is_the_formula(tmp_path, tokenizer, prompt_dataset, case, method):
     cap = 1.1  # some behaviour weights above it (masked)
-    trainer = make(tmp_path, tokenizer, prompt_dataset, A3POTrainer, A3POConfig, prox_logp_method=method,
-                   behav_imp_weight_cap=cap, **case)
+    trainer = make(
+        tmp_path,
+        tokenizer,
+        prompt_dataset,
+        A3POTrainer,
+        A3POConfig,
+        prox_logp_method=method,
+        behav_imp_weight_cap=cap,
+        **case,
+    )
     batch = make_batch(trainer, seed=1, noise=0.3)
     g = torch.Generator().manual_seed(2)
     if method == "recompute":  # a proximal forward of weights between the behaviour ones and the current ones
@@ -183,8 +214,11 @@ def test_at_staleness_2_the_decoupled_loss_is_the_formula(tmp_path, tokenizer, p
 
     trainer.model.zero_grad()
     logp, entropies, _ = forward(trainer, batch)
-    anchor = (0.5 * batch["sampling_per_token_logps"] + 0.5 * logp.detach() if method == "loglinear"
-              else batch["prox_per_token_logps"])
+    anchor = (
+        0.5 * batch["sampling_per_token_logps"] + 0.5 * logp.detach()
+        if method == "loglinear"
+        else batch["prox_per_token_logps"]
+    )
     weights = torch.exp(anchor - batch["sampling_per_token_logps"])[batch["completion_mask"].bool()]
     assert (weights > cap).any() and (weights <= cap).any(), "the cap should bite on some tokens, not all"
     expected = reference_loss(trainer, batch, logp, entropies, anchor, cap)
@@ -197,8 +231,17 @@ def test_at_staleness_2_the_decoupled_loss_is_the_formula(tmp_path, tokenizer, p
 
 @pytest.mark.parametrize("case", CASES, ids=IDS)
 def test_each_option_trains_asynchronously_within_the_bound(tmp_path, tokenizer, prompt_dataset, case):
-    trainer = make(tmp_path, tokenizer, prompt_dataset, A3POTrainer, A3POConfig, max_steps=8, logging_steps=1,
-                   learning_rate=1e-3, **case)
+    trainer = make(
+        tmp_path,
+        tokenizer,
+        prompt_dataset,
+        A3POTrainer,
+        A3POConfig,
+        max_steps=8,
+        logging_steps=1,
+        learning_rate=1e-3,
+        **case,
+    )
     assert trainer.args.async_generation and trainer.args.max_staleness == 2  # A3POConfig's defaults
     generate_two_versions_ahead(trainer)
     trainer.train()

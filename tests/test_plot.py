@@ -17,17 +17,27 @@ def write_run(tmp_path, name, decoupled=True, **config):
     folder.mkdir()
     history = []
     for step in range(1, 5):
-        entry = {"step": step, "a3po/wall_time_s": 10.0 * step, "entropy": 1.0 / step, "a3po/prox_time_s": 0.001,
-                 "clip_ratio/region_mean": 0.01 * step, "a3po/behav_imp_weight/max": 1.0 + 0.1 * step,
-                 "a3po/behav_imp_weight/min": 1.0 - 0.1 * step}
+        entry = {
+            "step": step,
+            "a3po/wall_time_s": 10.0 * step,
+            "entropy": 1.0 / step,
+            "a3po/prox_time_s": 0.001,
+            "clip_ratio/region_mean": 0.01 * step,
+            "a3po/behav_imp_weight/max": 1.0 + 0.1 * step,
+            "a3po/behav_imp_weight/min": 1.0 - 0.1 * step,
+        }
         if step % 2 == 1:
             entry.update({"reward": 0.1 * step, "rewards/gsm8k_accuracy_reward/mean": 0.05 * step})
         if not decoupled:  # the coupled loss logs none of the decoupled loss's metrics
             entry = {k: v for k, v in entry.items() if not k.startswith("a3po/") or k == "a3po/wall_time_s"}
         history.append(entry)
     (folder / "trainer_state.json").write_text(json.dumps({"log_history": history}))
-    torch.save(A3POConfig(output_dir=str(folder), use_decoupled_loss=decoupled, report_to="none", use_cpu=True,
-                          bf16=False, **config), folder / "training_args.bin")
+    torch.save(
+        A3POConfig(
+            output_dir=str(folder), use_decoupled_loss=decoupled, report_to="none", use_cpu=True, bf16=False, **config
+        ),
+        folder / "training_args.bin",
+    )
     return folder
 
 
@@ -44,7 +54,9 @@ def test_plot_command_writes_every_figure_from_run_logs(tmp_path, capsys):
     # the coupled (sync) run draws on the same clock
     assert series(load_history(str(runs[2])), "reward", "wall")[0] == [10.0, 30.0]
     # evaluations written next to the log (benchmarks/learning.py) join the callback's entries, by step
-    (runs[0] / "greedy_eval.json").write_text(json.dumps([{"step": 4, "accuracy": 0.5}, {"step": 0, "accuracy": 0.25}]))
+    (runs[0] / "greedy_eval.json").write_text(
+        json.dumps([{"step": 4, "accuracy": 0.5}, {"step": 0, "accuracy": 0.25}])
+    )
     assert series(load_history(str(runs[0])), "eval/gsm8k_greedy_accuracy", "step") == ([0, 4], [0.25, 0.5])
     main([str(r) for r in runs] + ["--out", str(tmp_path / "figs")])
     printed = capsys.readouterr().out.split()
@@ -68,8 +80,11 @@ def test_seeds_of_one_method_draw_as_mean_and_sample_std():
     assert mean == pytest.approx([0.2, 0.6])
     assert std == pytest.approx([0.1, (0.06 / 2) ** 0.5])  # sample std: sqrt(sum of squares / (n - 1))
     # wall-clock: x is the seeds' mean time at each point
-    assert mean_band([([10.0, 20.0], [1.0, 2.0]), ([12.0, 26.0], [3.0, 2.0])], "wall") == ([11.0, 23.0], [2.0, 2.0],
-                                                                                          [2 ** 0.5, 0.0])
+    assert mean_band([([10.0, 20.0], [1.0, 2.0]), ([12.0, 26.0], [3.0, 2.0])], "wall") == (
+        [11.0, 23.0],
+        [2.0, 2.0],
+        [2**0.5, 0.0],
+    )
     assert mean_band([([1, 2], [0.5, 0.7])], "step") == ([1, 2], [0.5, 0.7], [0.0, 0.0])
     with pytest.raises(ValueError, match="logged different steps"):
         mean_band([([1, 2], [0.0, 0.0]), ([1, 3], [0.0, 0.0])], "step")
@@ -80,6 +95,8 @@ def test_seed_bands_are_clipped_to_the_quantity_range():
 
     # an accuracy of 0.9 +- 0.2 and 0.05 +- 0.1: the band stops at 1 and at 0
     assert clipped_band([0.9, 0.05], [0.2, 0.1], RANGES["rewards/gsm8k_accuracy_reward/mean"]) == (
-        [pytest.approx(0.7), 0.0], [1.0, pytest.approx(0.15)])
+        [pytest.approx(0.7), 0.0],
+        [1.0, pytest.approx(0.15)],
+    )
     assert clipped_band([0.01], [0.02], RANGES["a3po/prox_time_s"]) == ([0.0], [0.03])  # no upper limit
     assert clipped_band([-0.5], [1.0], RANGES.get("reward")) == ([-1.5], [0.5])  # the total reward: unclipped

@@ -80,8 +80,10 @@ def test_per_token_staleness_gives_each_token_its_own_alpha():
     behav, theta, per_sample = _random_logps(g)
     per_token = per_sample.unsqueeze(-1).expand_as(behav)
     for method in ("loglinear", "linear", "rollout"):
-        assert torch.equal(approximate_prox_logp(method, behav, theta, per_sample),
-                           approximate_prox_logp(method, behav, theta, per_token))
+        assert torch.equal(
+            approximate_prox_logp(method, behav, theta, per_sample),
+            approximate_prox_logp(method, behav, theta, per_token),
+        )
 
 
 def test_loglinear_prox_has_no_gradient_and_ratio_gradient_is_full():
@@ -179,7 +181,9 @@ def test_aggregations_match_trl_formulas():
     assert torch.isclose(aggregate_loss(per_token, mask, "bnpo"), (per_token * m).sum() / m.sum())
     assert torch.isclose(aggregate_loss(per_token, mask, "dr_grpo", 8), (per_token * m).sum() / (3 * 8))
     for num_items_type in ("dapo", "cispo", "vespo"):
-        assert torch.isclose(aggregate_loss(per_token, mask, num_items_type, num_items=20.0), (per_token * m).sum() / 20)
+        assert torch.isclose(
+            aggregate_loss(per_token, mask, num_items_type, num_items=20.0), (per_token * m).sum() / 20
+        )
     assert torch.isclose(aggregate_loss(per_token, mask, "sapo"), ((per_token * m).sum(-1) / m.sum(-1)).mean())
     assert torch.isclose(aggregate_loss(per_token, mask, "luspo"), (per_token * m).sum(-1).mean())
     with pytest.raises(ValueError, match="loss_type 'cispo' needs num_items"):
@@ -219,8 +223,20 @@ def test_default_mode_is_the_old_loss_bit_for_bit(seed):
     mask = torch.rand(6, 8, generator=g) > 0.2
     for cap, c in ((5.0, None), (2.0, 3.0), (None, None)):
         new, _ = decoupled_ppo_loss(theta, prox, behav, adv, mask, 0.2, 0.28, cap, c)
-        explicit, _ = decoupled_ppo_loss(theta, prox, behav, adv, mask, 0.2, 0.28, cap, c, behav_imp_weight_mode="mask",
-                                         behav_imp_weight_min=None, behav_imp_weight_level="token")
+        explicit, _ = decoupled_ppo_loss(
+            theta,
+            prox,
+            behav,
+            adv,
+            mask,
+            0.2,
+            0.28,
+            cap,
+            c,
+            behav_imp_weight_mode="mask",
+            behav_imp_weight_min=None,
+            behav_imp_weight_level="token",
+        )
         old = frozen_mask_token_loss(theta, prox, behav, adv, mask, 0.2, 0.28, cap, c)
         assert torch.equal(new, old) and torch.equal(explicit, old)
 
@@ -252,9 +268,19 @@ def _weights_case():
 def test_behaviour_weight_modes_exact(mode, level, low, expected_weights, capped, below, seq_capped, seq_below):
     logp, prox, behav, adv, mask = _weights_case()
     logp = logp.requires_grad_(True)
-    loss, stats = decoupled_ppo_loss(logp, prox, behav, adv, mask, 0.2, 0.2, behav_imp_weight_cap=4.0,
-                                     behav_imp_weight_mode=mode, behav_imp_weight_min=low,
-                                     behav_imp_weight_level=level)
+    loss, stats = decoupled_ppo_loss(
+        logp,
+        prox,
+        behav,
+        adv,
+        mask,
+        0.2,
+        0.2,
+        behav_imp_weight_cap=4.0,
+        behav_imp_weight_mode=mode,
+        behav_imp_weight_min=low,
+        behav_imp_weight_level=level,
+    )
     expected = torch.tensor(expected_weights)
     assert torch.allclose(loss, -expected, atol=1e-6)
     loss.sum().backward()
@@ -267,8 +293,9 @@ def test_behaviour_weight_modes_exact(mode, level, low, expected_weights, capped
 
 def test_sequence_cap_masks_the_whole_sequence():
     logp, prox, behav, adv, mask = _weights_case()
-    loss, stats = decoupled_ppo_loss(logp, prox, behav, adv, mask, 0.2, 0.2, behav_imp_weight_cap=1.2,
-                                     behav_imp_weight_level="sequence")
+    loss, stats = decoupled_ppo_loss(
+        logp, prox, behav, adv, mask, 0.2, 0.2, behav_imp_weight_cap=1.2, behav_imp_weight_level="sequence"
+    )
     # sqrt(2) > 1.2: every token of sequence 0 is dropped, and stays in the denominator
     assert loss[0].tolist() == [0.0] * 4 and stats["seq_capped_sum"].item() == 1 and stats["capped_sum"].item() == 4
     assert aggregate_loss(loss, mask, "bnpo").item() == pytest.approx(-2 * 0.5**0.5 / 6, rel=1e-6)

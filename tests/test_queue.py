@@ -280,13 +280,13 @@ def test_close_leaves_the_backend_open_under_a_producer_that_does_not_stop():
     release.set()
 
 
-def test_an_error_closing_the_queue_never_replaces_the_error_that_ended_training(tmp_path, tokenizer, prompt_dataset,
-                                                                                  monkeypatch):
-    from conftest import digit_reward, make_model
-    from conftest import COMMON
-
+def test_an_error_closing_the_queue_never_replaces_the_error_that_ended_training(
+    tmp_path, tokenizer, prompt_dataset, monkeypatch
+):
     from trl_a3po import A3POConfig, A3POTrainer
     from trl_a3po.rollout import InProcessBackend
+
+    from conftest import COMMON, digit_reward, make_model
 
     def failing_close(self):
         raise OSError("closing the backend failed too")
@@ -296,11 +296,18 @@ def test_an_error_closing_the_queue_never_replaces_the_error_that_ended_training
 
     monkeypatch.setattr(InProcessBackend, "close", failing_close)
     args = A3POConfig(output_dir=str(tmp_path), **{**COMMON, "max_steps": 2})
-    trainer = A3POTrainer(model=make_model(tokenizer), reward_funcs=digit_reward, args=args,
-                          train_dataset=prompt_dataset, processing_class=tokenizer)
+    trainer = A3POTrainer(
+        model=make_model(tokenizer),
+        reward_funcs=digit_reward,
+        args=args,
+        train_dataset=prompt_dataset,
+        processing_class=tokenizer,
+    )
     monkeypatch.setattr(trainer, "_compute_loss", failing_step)
-    with pytest.warns(RuntimeWarning, match="closing the generation queue also failed: OSError"), \
-            pytest.raises(RuntimeError, match="the error that ended training"):
+    with (
+        pytest.warns(RuntimeWarning, match="closing the generation queue also failed: OSError"),
+        pytest.raises(RuntimeError, match="the error that ended training"),
+    ):
         trainer.train()
 
 
@@ -358,11 +365,19 @@ class TokenByTokenBackend:
         pass
 
 
-@pytest.mark.parametrize("queue_class,inflight,server", [
-    (GenerationQueue, True, False), (ContinuousGenerationQueue, False, True), (ContinuousGenerationQueue, True, True),
-    (ContinuousGenerationQueue, False, False), (ContinuousGenerationQueue, True, False)])
+@pytest.mark.parametrize(
+    "queue_class,inflight,server",
+    [
+        (GenerationQueue, True, False),
+        (ContinuousGenerationQueue, False, True),
+        (ContinuousGenerationQueue, True, True),
+        (ContinuousGenerationQueue, False, False),
+        (ContinuousGenerationQueue, True, False),
+    ],
+)
 def test_inflight_and_continuous_schedules_keep_every_token_on_its_version_within_the_bound_and_in_order(
-        queue_class, inflight, server):
+    queue_class, inflight, server
+):
     # Random schedules as in run_schedule. In-flight updates: a sequence may mix versions. Continuous generation:
     # several batches at once, as concurrent requests (a server) or merged into one generation whose finished rows
     # are refilled (in-process). Either way every token carries the version that sampled it, none is older than the
@@ -379,8 +394,9 @@ def test_inflight_and_continuous_schedules_keep_every_token_on_its_version_withi
         try:
             for version, result in drive_like_the_trainer(queue, bound, num_batches, rows=4):
                 assert result.prompt_ids == [[version, i] for i in range(4)]
-                for prompt, ids, behaviour in zip(result.prompt_ids, result.batch.completion_ids,
-                                                  result.batch.versions):
+                for prompt, ids, behaviour in zip(
+                    result.prompt_ids, result.batch.completion_ids, result.batch.versions
+                ):
                     assert len(ids) == backend.length(prompt)  # whole: tokens before and after each stop, none lost
                     assert behaviour == ids  # each token's recorded version is the one that sampled it
                     assert behaviour == sorted(behaviour)  # versions only move forward within a sequence

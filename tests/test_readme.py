@@ -4,6 +4,7 @@ import re
 import runpy
 from pathlib import Path
 
+
 REPO = Path(__file__).resolve().parent.parent
 
 
@@ -14,15 +15,24 @@ def test_config_reference_matches_the_dataclass():
 
 def test_readme_commands_exist():
     readme = (REPO / "README.md").read_text()
-    for path in ("scripts/setup.sh", "recipes/gsm8k.py", "recipes/gsm8k_cpu.yaml", "recipes/gsm8k.yaml",
-                 "recipes/eval_gsm8k.py", "notebooks/quickstart.ipynb", "scripts/install_vllm_cpu.sh"):
+    for path in (
+        "scripts/setup.sh",
+        "recipes/gsm8k.py",
+        "recipes/gsm8k_cpu.yaml",
+        "recipes/gsm8k.yaml",
+        "recipes/eval_gsm8k.py",
+        "notebooks/quickstart.ipynb",
+        "scripts/install_vllm_cpu.sh",
+    ):
         assert path in readme and (REPO / path).exists(), path
 
 
 def server_commands(text: str) -> list[str]:
     """Every vLLM server command in a text (README, yaml comments), its continuation lines joined."""
     joined = re.sub(r"\\\n[#\s]*", " ", text)
-    return [line for line in joined.splitlines() if "vllm serve " in line or "vllm.entrypoints.openai.api_server" in line]
+    return [
+        line for line in joined.splitlines() if "vllm serve " in line or "vllm.entrypoints.openai.api_server" in line
+    ]
 
 
 def test_every_server_command_carries_what_the_start_up_probe_checks():

@@ -8,7 +8,9 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from conftest import free_port, make_model, make_tokenizer
+
 
 REPO = Path(__file__).resolve().parent.parent
 SHARED_GSM8K = REPO.parent / "shared" / "data" / "gsm8k"
@@ -27,12 +29,44 @@ def tiny_model_dir(tmp_path_factory):
 
 def recipe_args(model_dir, output_dir, *extra):
     return [
-        str(REPO / "recipes" / "gsm8k.py"), "--model_name_or_path", str(model_dir), "--dataset_name", str(GSM8K),
-        "--train_limit", "64", "--output_dir", str(output_dir), "--max_steps", "3", "--per_device_train_batch_size",
-        "4", "--num_generations", "4", "--steps_per_generation", "2", "--max_completion_length", "8",
-        "--use_cpu", "true", "--bf16", "false", "--report_to", "none", "--save_strategy", "no", "--logging_steps",
-        "1", "--greedy_eval_steps", "3", "--greedy_eval_limit", "4", "--greedy_eval_max_new_tokens", "8",
-        "--format_reward_weight", "0.1", *extra,
+        str(REPO / "recipes" / "gsm8k.py"),
+        "--model_name_or_path",
+        str(model_dir),
+        "--dataset_name",
+        str(GSM8K),
+        "--train_limit",
+        "64",
+        "--output_dir",
+        str(output_dir),
+        "--max_steps",
+        "3",
+        "--per_device_train_batch_size",
+        "4",
+        "--num_generations",
+        "4",
+        "--steps_per_generation",
+        "2",
+        "--max_completion_length",
+        "8",
+        "--use_cpu",
+        "true",
+        "--bf16",
+        "false",
+        "--report_to",
+        "none",
+        "--save_strategy",
+        "no",
+        "--logging_steps",
+        "1",
+        "--greedy_eval_steps",
+        "3",
+        "--greedy_eval_limit",
+        "4",
+        "--greedy_eval_max_new_tokens",
+        "8",
+        "--format_reward_weight",
+        "0.1",
+        *extra,
     ]
 
 
@@ -49,8 +83,23 @@ def trainer_log(output_dir):
 
 
 def evaluate(model_dir, *extra):
-    out = run([sys.executable, str(REPO / "recipes" / "eval_gsm8k.py"), "--model", str(model_dir), "--dataset",
-               str(GSM8K), "--limit", "4", "--batch-size", "2", "--max-new-tokens", "8", *extra])
+    out = run(
+        [
+            sys.executable,
+            str(REPO / "recipes" / "eval_gsm8k.py"),
+            "--model",
+            str(model_dir),
+            "--dataset",
+            str(GSM8K),
+            "--limit",
+            "4",
+            "--batch-size",
+            "2",
+            "--max-new-tokens",
+            "8",
+            *extra,
+        ]
+    )
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -70,8 +119,23 @@ def test_recipe_full_finetune_then_eval(tiny_model_dir, tmp_path):
 
 
 def test_recipe_lora_then_eval_the_adapter(tiny_model_dir, tmp_path):
-    run([sys.executable, *recipe_args(tiny_model_dir, tmp_path / "lora", "--use_peft", "--lora_r", "4",
-                                      "--lora_alpha", "8", "--lora_target_modules", "q_proj", "v_proj")])
+    run(
+        [
+            sys.executable,
+            *recipe_args(
+                tiny_model_dir,
+                tmp_path / "lora",
+                "--use_peft",
+                "--lora_r",
+                "4",
+                "--lora_alpha",
+                "8",
+                "--lora_target_modules",
+                "q_proj",
+                "v_proj",
+            ),
+        ]
+    )
     assert (tmp_path / "lora" / "adapter_config.json").exists()
     from peft import PeftConfig
 
@@ -85,18 +149,36 @@ def test_recipe_lora_then_eval_the_adapter(tiny_model_dir, tmp_path):
     from trl_a3po import gsm8k_greedy_accuracy, load_gsm8k
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
-    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32),
-                                      tmp_path / "lora")
-    expected = gsm8k_greedy_accuracy(load_gsm8k(str(GSM8K), "test", limit=4), tokenizer, model=model, batch_size=2,
-                                     max_new_tokens=8, progress=False)
+    model = PeftModel.from_pretrained(
+        AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32), tmp_path / "lora"
+    )
+    expected = gsm8k_greedy_accuracy(
+        load_gsm8k(str(GSM8K), "test", limit=4), tokenizer, model=model, batch_size=2, max_new_tokens=8, progress=False
+    )
     assert {key: result[key] for key in expected} == expected
 
 
 def test_recipe_two_processes(tiny_model_dir, tmp_path):
     port = free_port()
-    run([sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-         "--num_machines", "1", "--main_process_port", str(port), "--mixed_precision", "no", "--dynamo_backend",
-         "no", *recipe_args(tiny_model_dir, tmp_path / "ddp")])
+    run(
+        [
+            sys.executable,
+            "-m",
+            "accelerate.commands.launch",
+            "--multi_gpu",
+            "--num_processes",
+            "2",
+            "--num_machines",
+            "1",
+            "--main_process_port",
+            str(port),
+            "--mixed_precision",
+            "no",
+            "--dynamo_backend",
+            "no",
+            *recipe_args(tiny_model_dir, tmp_path / "ddp"),
+        ]
+    )
     steps = [h for h in trainer_log(tmp_path / "ddp") if "a3po/staleness/max" in h]
     # two processes, one log: the first generation batch is fresh, and no step exceeds the bound (2)
     assert [h["a3po/staleness/max"] for h in steps][:2] == [0, 0] and max(h["a3po/staleness/max"] for h in steps) <= 2
@@ -110,10 +192,14 @@ def test_format_reward_only_when_correct_pays_boxed_correct_answers_only():
     recipe = runpy.run_path(str(REPO / "recipes" / "gsm8k.py"))
     script = recipe["ScriptArguments"]
     assert recipe["rewards"](script()) == ([gsm8k_accuracy_reward], [1.0])
-    assert recipe["rewards"](script(format_reward_weight=0.5)) == ([gsm8k_accuracy_reward, gsm8k_format_reward],
-                                                                   [1.0, 0.5])
+    assert recipe["rewards"](script(format_reward_weight=0.5)) == (
+        [gsm8k_accuracy_reward, gsm8k_format_reward],
+        [1.0, 0.5],
+    )
     assert recipe["rewards"](script(format_reward_weight=0.5, format_reward_only_when_correct=True)) == (
-        [gsm8k_accuracy_reward, gsm8k_correct_format_reward], [1.0, 0.5])
+        [gsm8k_accuracy_reward, gsm8k_correct_format_reward],
+        [1.0, 0.5],
+    )
     with pytest.raises(ValueError, match="format_reward_only_when_correct=True needs format_reward_weight > 0"):
         script(format_reward_only_when_correct=True)
 
@@ -138,7 +224,8 @@ def test_without_config_the_recipe_takes_the_yaml_for_the_hardware(monkeypatch, 
     if gpu:
         return
     script, args, model = TrlParser((recipe["ScriptArguments"], A3POConfig, ModelConfig)).parse_args_and_config(
-        args=["--config", config, "--output_dir", "unused"])
+        args=["--config", config, "--output_dir", "unused"]
+    )
     assert model.model_name_or_path == "smollm2-135m-instruct" and script.dataset_name == "recipes/data/addition"
     assert script.one_shot_prompt and script.format_reward_weight == 0.5
     assert (args.max_staleness, args.max_completion_length, args.learning_rate) == (2, 64, 2e-5)
@@ -148,8 +235,13 @@ def test_without_config_the_recipe_takes_the_yaml_for_the_hardware(monkeypatch, 
 @pytest.mark.parametrize("script,expected", [("gsm8k.py", "--prox_logp_method"), ("eval_gsm8k.py", "--vllm-url")])
 def test_help_prints(script, expected):
     # argparse formats help texts with %: a bare % in a field's help crashed `--help`
-    result = subprocess.run([sys.executable, str(REPO / "recipes" / script), "--help"], env=ENV, capture_output=True,
-                            text=True, timeout=300)
+    result = subprocess.run(
+        [sys.executable, str(REPO / "recipes" / script), "--help"],
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     assert expected in result.stdout
 

@@ -14,6 +14,7 @@ from trl_a3po.rewards import (
     reference_answer,
 )
 
+
 GOLD = "Natalia sold 48/2 = <<48/2=24>>24 clips in May.\nNatalia sold 48+24 = <<48+24=72>>72 clips.\n#### 72"
 
 
@@ -75,8 +76,9 @@ def test_correct_format_reward_pays_only_a_boxed_correct_answer():
 
 def test_reward_signature_plugs_into_trl():
     # TRL calls reward functions with keyword arguments, including columns it does not know
-    assert gsm8k_accuracy_reward(prompts=["q"], completions=["\\boxed{72}"], answer=[GOLD],
-                                 completion_ids=[[1]], trainer_state=None) == [1.0]
+    assert gsm8k_accuracy_reward(
+        prompts=["q"], completions=["\\boxed{72}"], answer=[GOLD], completion_ids=[[1]], trainer_state=None
+    ) == [1.0]
 
 
 def adversarial_strings(rng):

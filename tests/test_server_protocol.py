@@ -7,21 +7,32 @@ import time
 
 import pytest
 import torch
-from conftest import COMMON, digit_reward, make_model
-from standin_server import StandinServer
 
 from trl_a3po import A3POConfig, A3POTrainer
 from trl_a3po.rollout import ProducerError
 from trl_a3po.rollout import vllm_server as vllm_module
-from trl_a3po.rollout.vllm_server import NCCLTransport, VLLMServerBackend, VLLMServerSetupError
 from trl_a3po.rollout.policy_weights import _hf_named_tensors
+from trl_a3po.rollout.vllm_server import NCCLTransport, VLLMServerBackend, VLLMServerSetupError
+
+from conftest import COMMON, digit_reward, make_model
+from standin_server import StandinServer
 
 
 def train_against(server, tmp_path, tokenizer, dataset, **kwargs):
-    args = A3POConfig(output_dir=str(tmp_path), rollout_backend="vllm_server", vllm_server_port=server.port,
-                      weight_sync_transport="disk", **{**COMMON, "max_steps": 2, **kwargs})
-    trainer = A3POTrainer(model=make_model(tokenizer), reward_funcs=digit_reward, args=args, train_dataset=dataset,
-                          processing_class=tokenizer)
+    args = A3POConfig(
+        output_dir=str(tmp_path),
+        rollout_backend="vllm_server",
+        vllm_server_port=server.port,
+        weight_sync_transport="disk",
+        **{**COMMON, "max_steps": 2, **kwargs},
+    )
+    trainer = A3POTrainer(
+        model=make_model(tokenizer),
+        reward_funcs=digit_reward,
+        args=args,
+        train_dataset=dataset,
+        processing_class=tokenizer,
+    )
     trainer.train()
     return trainer
 
@@ -54,7 +65,10 @@ def test_a_server_that_restarted_between_push_and_generation_is_caught(tmp_path,
 
 
 def test_a_row_without_finish_reason_is_refused(tmp_path, tokenizer, prompt_dataset):
-    with StandinServer("unfinished") as server, pytest.raises(ProducerError, match=r"finish_reason None after 2 tokens"):
+    with (
+        StandinServer("unfinished") as server,
+        pytest.raises(ProducerError, match=r"finish_reason None after 2 tokens"),
+    ):
         train_against(server, tmp_path, tokenizer, prompt_dataset)
 
 
@@ -69,22 +83,38 @@ def test_a_stalled_server_raises_within_vllm_server_timeout(tmp_path, tokenizer,
 @pytest.mark.parametrize(
     "server_kwargs,transport,message",
     [
-        (dict(dev_mode=False), "disk", r"without VLLM_SERVER_DEV_MODE=1.*/collective_rpc.*VLLM_SERVER_DEV_MODE=1 vllm "
-                                       r"serve MODEL --host 127.0.0.1"),
+        (
+            dict(dev_mode=False),
+            "disk",
+            r"without VLLM_SERVER_DEV_MODE=1.*/collective_rpc.*VLLM_SERVER_DEV_MODE=1 vllm "
+            r"serve MODEL --host 127.0.0.1",
+        ),
         (dict(dev_mode=False), "nccl", r"without VLLM_SERVER_DEV_MODE=1.*--weight-transfer-config"),
-        (dict(logprobs_mode="raw_logprobs"), "disk", r"returns 'raw_logprobs' log-probs.*--logprobs-mode "
-                                                     r"processed_logprobs"),
-        (dict(weight_transfer=None), "nccl", r"no NCCL weight-transfer engine.*--weight-transfer-config "
-                                             r"'\{\"backend\": \"nccl\"\}'"),
-        (dict(weight_transfer={"backend": "nccl"}, version="0.27.1"), "nccl",
-         r"trainer's vLLM 0.31.0 and the server's 0.27.1 speak different NCCL weight-update formats.*"
-         r"pip install vllm==0.27.1"),
+        (
+            dict(logprobs_mode="raw_logprobs"),
+            "disk",
+            r"returns 'raw_logprobs' log-probs.*--logprobs-mode "
+            r"processed_logprobs",
+        ),
+        (
+            dict(weight_transfer=None),
+            "nccl",
+            r"no NCCL weight-transfer engine.*--weight-transfer-config "
+            r"'\{\"backend\": \"nccl\"\}'",
+        ),
+        (
+            dict(weight_transfer={"backend": "nccl"}, version="0.27.1"),
+            "nccl",
+            r"trainer's vLLM 0.31.0 and the server's 0.27.1 speak different NCCL weight-update formats.*"
+            r"pip install vllm==0.27.1",
+        ),
     ],
 )
 def test_the_start_up_probe_names_what_the_server_lacks(tmp_path, monkeypatch, server_kwargs, transport, message):
     monkeypatch.setattr(vllm_module, "trainer_vllm_version", lambda: "0.31.0")
-    args = A3POConfig(output_dir=str(tmp_path), rollout_backend="vllm_server", weight_sync_transport=transport,
-                      **COMMON)
+    args = A3POConfig(
+        output_dir=str(tmp_path), rollout_backend="vllm_server", weight_sync_transport=transport, **COMMON
+    )
     with StandinServer(**server_kwargs) as server:
         args.vllm_server_port = server.port
         with pytest.raises(VLLMServerSetupError, match=message):
@@ -94,8 +124,12 @@ def test_the_start_up_probe_names_what_the_server_lacks(tmp_path, monkeypatch, s
 
 def test_an_interrupted_request_keeps_the_tokens_received_and_cuts_each_row_at_its_budget(tmp_path):
     # In-flight updates on the server: the stand-in streams 2 tokens per row (token 5, then 6 with finish "length").
-    args = A3POConfig(output_dir=str(tmp_path), rollout_backend="vllm_server", weight_sync_transport="disk",
-                      **{**COMMON, "max_completion_length": 2})
+    args = A3POConfig(
+        output_dir=str(tmp_path),
+        rollout_backend="vllm_server",
+        weight_sync_transport="disk",
+        **{**COMMON, "max_completion_length": 2},
+    )
     stop = threading.Event()
     with StandinServer() as server:
         args.vllm_server_port = server.port
@@ -113,8 +147,13 @@ def test_an_interrupted_request_keeps_the_tokens_received_and_cuts_each_row_at_i
 def test_nccl_needs_vllm_beside_the_trainer(tmp_path, monkeypatch):
     monkeypatch.setattr(vllm_module, "trainer_vllm_version", lambda: None)
     with StandinServer(weight_transfer={"backend": "nccl"}) as server:
-        args = A3POConfig(output_dir=str(tmp_path), rollout_backend="vllm_server", vllm_server_port=server.port,
-                          weight_sync_transport="nccl", **COMMON)
+        args = A3POConfig(
+            output_dir=str(tmp_path),
+            rollout_backend="vllm_server",
+            vllm_server_port=server.port,
+            weight_sync_transport="nccl",
+            **COMMON,
+        )
         with pytest.raises(VLLMServerSetupError, match=r"pip install 'trl-a3po\[vllm\]' \(vllm==0.31.0"):
             VLLMServerBackend.from_config(args, eos_token_ids=[1])
 
@@ -170,8 +209,14 @@ def test_server_fields_of_grpo_config_reach_the_nccl_client(tmp_path, monkeypatc
         original(self, **kwargs)
 
     monkeypatch.setattr(NCCLTransport, "__init__", recording)
-    args = A3POConfig(output_dir=str(tmp_path), rollout_backend="vllm_server", weight_sync_transport="nccl",
-                      vllm_group_port=51300, vllm_server_timeout=17.0, **COMMON)
+    args = A3POConfig(
+        output_dir=str(tmp_path),
+        rollout_backend="vllm_server",
+        weight_sync_transport="nccl",
+        vllm_group_port=51300,
+        vllm_server_timeout=17.0,
+        **COMMON,
+    )
     with StandinServer(dev_mode=False) as server:  # refused by the probe, after the transport is built
         args.vllm_server_port = server.port
         with pytest.raises(VLLMServerSetupError):
@@ -182,11 +227,23 @@ def test_server_fields_of_grpo_config_reach_the_nccl_client(tmp_path, monkeypatc
 def lora_trainer(server, tmp_path, tokenizer, dataset, lora_weight_sync, **lora_kwargs):
     from peft import LoraConfig
 
-    args = A3POConfig(output_dir=str(tmp_path), rollout_backend="vllm_server", vllm_server_port=server.port,
-                      weight_sync_transport="disk", lora_weight_sync=lora_weight_sync, **{**COMMON, "max_steps": 2})
+    args = A3POConfig(
+        output_dir=str(tmp_path),
+        rollout_backend="vllm_server",
+        vllm_server_port=server.port,
+        weight_sync_transport="disk",
+        lora_weight_sync=lora_weight_sync,
+        **{**COMMON, "max_steps": 2},
+    )
     config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0, **lora_kwargs)
-    return A3POTrainer(model=make_model(tokenizer), reward_funcs=digit_reward, args=args, train_dataset=dataset,
-                       processing_class=tokenizer, peft_config=config)
+    return A3POTrainer(
+        model=make_model(tokenizer),
+        reward_funcs=digit_reward,
+        args=args,
+        train_dataset=dataset,
+        processing_class=tokenizer,
+        peft_config=config,
+    )
 
 
 @pytest.mark.parametrize(
@@ -196,8 +253,9 @@ def lora_trainer(server, tmp_path, tokenizer, dataset, lora_weight_sync, **lora_
         (True, {"rank_pattern": {"q_proj": 8}}, r"has LoRA with a per-module rank_pattern"),
     ],
 )
-def test_auto_falls_back_to_merged_weights_with_the_reason_logged(tmp_path, tokenizer, prompt_dataset, caplog,
-                                                                    server_lora, lora_kwargs, reason):
+def test_auto_falls_back_to_merged_weights_with_the_reason_logged(
+    tmp_path, tokenizer, prompt_dataset, caplog, server_lora, lora_kwargs, reason
+):
     with StandinServer(lora=server_lora) as server, caplog.at_level("WARNING"):
         trainer = lora_trainer(server, tmp_path, tokenizer, prompt_dataset, "auto", **lora_kwargs)
         trainer.train()
@@ -217,20 +275,28 @@ def test_auto_sends_the_adapter_where_the_server_serves_it(tmp_path, tokenizer, 
 def test_adapter_sync_refuses_a_server_without_runtime_lora(tmp_path, tokenizer, prompt_dataset):
     with StandinServer(lora=False) as server:
         trainer = lora_trainer(server, tmp_path, tokenizer, prompt_dataset, "adapter")
-        with pytest.raises(VLLMServerSetupError, match=r"cannot load LoRA adapters at run time. Restart it with "
-                                                       r"--enable-lora, VLLM_ALLOW_RUNTIME_LORA_UPDATING=True"):
+        with pytest.raises(
+            VLLMServerSetupError,
+            match=r"cannot load LoRA adapters at run time. Restart it with "
+            r"--enable-lora, VLLM_ALLOW_RUNTIME_LORA_UPDATING=True",
+        ):
             trainer.train()
         assert trainer.state.global_step == 0
 
 
-def test_adapter_sync_refuses_an_unservable_lora_before_any_model_work(tmp_path, tokenizer, prompt_dataset,
-                                                                        monkeypatch):
+def test_adapter_sync_refuses_an_unservable_lora_before_any_model_work(
+    tmp_path, tokenizer, prompt_dataset, monkeypatch
+):
     from trl import GRPOTrainer
 
     def trl_init(*args, **kwargs):
         raise AssertionError("GRPOTrainer.__init__ ran before the refusal")
 
     monkeypatch.setattr(GRPOTrainer, "__init__", trl_init)
-    with StandinServer(lora=True) as server, pytest.raises(
-            ValueError, match=r"lora_weight_sync='adapter' cannot serve LoRA with a per-module rank_pattern"):
+    with (
+        StandinServer(lora=True) as server,
+        pytest.raises(
+            ValueError, match=r"lora_weight_sync='adapter' cannot serve LoRA with a per-module rank_pattern"
+        ),
+    ):
         lora_trainer(server, tmp_path, tokenizer, prompt_dataset, "adapter", rank_pattern={"q_proj": 8})

@@ -13,11 +13,12 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from trl_a3po import A3POConfig, A3POTrainer
+from trl_a3po.rollout.policy_weights import _hf_named_tensors, policy_tensors
+
 from conftest import COMMON, digit_reward, free_port, make_model, make_tokenizer
 
-from trl_a3po.rollout.policy_weights import policy_tensors
-from trl_a3po import A3POConfig, A3POTrainer
-from trl_a3po.rollout.policy_weights import _hf_named_tensors
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -114,10 +115,10 @@ def test_fsdp2_shards_are_gathered_into_the_full_weights(tmp_path):
         assert report["max_diff"] == 0.0  # every process holds the whole, exact weights
 
 
-def test_peft_on_sharded_parameters_is_refused_before_the_model_is_loaded(tmp_path, tokenizer, prompt_dataset,
-                                                                          monkeypatch):
+def test_peft_on_sharded_parameters_is_refused_before_the_model_is_loaded(
+    tmp_path, tokenizer, prompt_dataset, monkeypatch
+):
     from peft import LoraConfig
-
     from trl import GRPOTrainer
 
     def trl_init(*args, **kwargs):
@@ -126,15 +127,30 @@ def test_peft_on_sharded_parameters_is_refused_before_the_model_is_loaded(tmp_pa
     monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
     monkeypatch.setattr(GRPOTrainer, "__init__", trl_init)
     args = A3POConfig(output_dir=str(tmp_path), **COMMON)
-    with pytest.raises(ValueError, match=r"async_generation=True with a PEFT adapter on sharded parameters .* set "
-                                         r"async_generation=False"):
-        A3POTrainer(model=make_model(tokenizer), reward_funcs=digit_reward, args=args, train_dataset=prompt_dataset,
-                    processing_class=tokenizer, peft_config=LoraConfig(r=4, target_modules=["q_proj"]))
+    with pytest.raises(
+        ValueError,
+        match=r"async_generation=True with a PEFT adapter on sharded parameters .* set "
+        r"async_generation=False",
+    ):
+        A3POTrainer(
+            model=make_model(tokenizer),
+            reward_funcs=digit_reward,
+            args=args,
+            train_dataset=prompt_dataset,
+            processing_class=tokenizer,
+            peft_config=LoraConfig(r=4, target_modules=["q_proj"]),
+        )
     # synchronous generation with sharding and PEFT is TRL's business: not refused here
     sync = A3POConfig(output_dir=str(tmp_path), async_generation=False, **COMMON)
     with pytest.raises(AssertionError, match="GRPOTrainer.__init__ ran"):
-        A3POTrainer(model=make_model(tokenizer), reward_funcs=digit_reward, args=sync, train_dataset=prompt_dataset,
-                    processing_class=tokenizer, peft_config=LoraConfig(r=4, target_modules=["q_proj"]))
+        A3POTrainer(
+            model=make_model(tokenizer),
+            reward_funcs=digit_reward,
+            args=sync,
+            train_dataset=prompt_dataset,
+            processing_class=tokenizer,
+            peft_config=LoraConfig(r=4, target_modules=["q_proj"]),
+        )
 
 
 def test_zero3_weights_are_gathered_one_parameter_at_a_time_and_every_gather_runs(tokenizer):
@@ -151,8 +167,11 @@ def test_zero3_weights_are_gathered_one_parameter_at_a_time_and_every_gather_run
         yield
         whole_now.clear()
 
-    trainer = SimpleNamespace(accelerator=SimpleNamespace(unwrap_model=lambda m: m), model=model,
-                              _dist=SimpleNamespace(is_zero3=True, gather_params=gather))
+    trainer = SimpleNamespace(
+        accelerator=SimpleNamespace(unwrap_model=lambda m: m),
+        model=model,
+        _dist=SimpleNamespace(is_zero3=True, gather_params=gather),
+    )
     expected = model.state_dict()
     with policy_tensors(trainer) as named_tensors:
         got = {name: tensor.clone() for name, tensor in named_tensors}

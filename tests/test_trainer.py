@@ -5,13 +5,13 @@ import threading
 
 import pytest
 import torch
-from conftest import COMMON, digit_reward, logged, make_model
 from transformers import GenerationConfig, Qwen2ForCausalLM
 from trl import GRPOConfig, GRPOTrainer
 
 from trl_a3po import A3POConfig, A3POTrainer
 from trl_a3po.rollout import generate_with_behavior_logprobs
 
+from conftest import COMMON, digit_reward, logged, make_model
 
 
 def make_trainer(tmp_path, tokenizer, dataset, trainer_cls=A3POTrainer, config_cls=A3POConfig, model=None, **kwargs):
@@ -37,8 +37,6 @@ def count_logp_forwards(monkeypatch):
 
     monkeypatch.setattr(GRPOTrainer, "_get_per_token_logps_and_entropies", counted)
     return counts
-
-
 
 
 def handmade_batch(trainer, seed=0, behav_noise=0.3):
@@ -81,8 +79,9 @@ def loss_and_grads(trainer, batch):
 
 
 @pytest.mark.parametrize("loss_type", ["dapo", "grpo", "bnpo", "dr_grpo"])
-def test_decoupled_loss_at_staleness_le_1_equals_grpo_with_behaviour_as_old(tmp_path, tokenizer, prompt_dataset,
-                                                                            loss_type):
+def test_decoupled_loss_at_staleness_le_1_equals_grpo_with_behaviour_as_old(
+    tmp_path, tokenizer, prompt_dataset, loss_type
+):
     # d <= 1: prox = behav, w = 1, so the decoupled loss is GRPO's clipped loss with old = behav (no cap hit here).
     grpo = make_trainer(tmp_path / "g", tokenizer, prompt_dataset, GRPOTrainer, GRPOConfig, loss_type=loss_type)
     a3po = make_trainer(tmp_path / "a", tokenizer, prompt_dataset, loss_type=loss_type, behav_imp_weight_cap=None)
@@ -132,8 +131,15 @@ def test_stale_batch_uses_loglinear_prox(tmp_path, tokenizer, prompt_dataset):
 def test_training_runs_counts_forwards_and_logs_metrics(tmp_path, tokenizer, prompt_dataset, method, monkeypatch):
     # Synchronous generation, 3 optimizer steps per generation batch (gradient_accumulation_steps=1): one policy
     # version per generation batch, so every sample is trained at staleness 0 and alpha 1 (the paper's d = 0).
-    trainer = make_trainer(tmp_path, tokenizer, prompt_dataset, prox_logp_method=method, steps_per_generation=3,
-                           max_steps=6, async_generation=False)
+    trainer = make_trainer(
+        tmp_path,
+        tokenizer,
+        prompt_dataset,
+        prox_logp_method=method,
+        steps_per_generation=3,
+        max_steps=6,
+        async_generation=False,
+    )
     counts = count_logp_forwards(monkeypatch)
     before = [p.detach().clone() for p in trainer.model.parameters()]
     trainer.train()
@@ -144,9 +150,18 @@ def test_training_runs_counts_forwards_and_logs_metrics(tmp_path, tokenizer, pro
     assert logged(trainer, "a3po/staleness/mean") == [0] * 6
     assert logged(trainer, "a3po/staleness/max") == [0] * 6
     assert logged(trainer, "a3po/alpha/mean") == [1] * 6
-    for key in ("a3po/behav_imp_weight/mean", "a3po/behav_imp_weight/min", "a3po/behav_imp_weight/max",
-                "a3po/capped_frac", "clip_ratio/low_mean", "clip_ratio/high_mean", "a3po/ratio/min",
-                "a3po/ratio/max", "a3po/prox_time_s", "a3po/staleness/frac_d0"):
+    for key in (
+        "a3po/behav_imp_weight/mean",
+        "a3po/behav_imp_weight/min",
+        "a3po/behav_imp_weight/max",
+        "a3po/capped_frac",
+        "clip_ratio/low_mean",
+        "clip_ratio/high_mean",
+        "a3po/ratio/min",
+        "a3po/ratio/max",
+        "a3po/prox_time_s",
+        "a3po/staleness/frac_d0",
+    ):
         assert len(logged(trainer, key)) == 6, key
     weights = logged(trainer, "a3po/behav_imp_weight/mean")
     if method == "loglinear":  # d = 0: the proximal policy is exactly the behaviour policy
@@ -173,12 +188,22 @@ def test_training_runs_counts_forwards_and_logs_metrics(tmp_path, tokenizer, pro
 
 
 def test_kl_penalty_keeps_the_reference_forward_while_the_old_logprob_forward_is_skipped(
-        tmp_path, tokenizer, prompt_dataset, monkeypatch):
+    tmp_path, tokenizer, prompt_dataset, monkeypatch
+):
     # beta > 0 and 3 optimizer steps per generation batch: TRL's scoring runs its "old log-prob" forward, then the
     # reference model's. The skip must answer the first and only the first: the reference log-probs reach the loss.
     make_model(tokenizer).save_pretrained(tmp_path / "model")  # TRL loads the reference model by name
-    trainer = make_trainer(tmp_path / "run", tokenizer, prompt_dataset, model=str(tmp_path / "model"),
-                           steps_per_generation=3, max_steps=6, async_generation=False, beta=0.1, learning_rate=1e-2)
+    trainer = make_trainer(
+        tmp_path / "run",
+        tokenizer,
+        prompt_dataset,
+        model=str(tmp_path / "model"),
+        steps_per_generation=3,
+        max_steps=6,
+        async_generation=False,
+        beta=0.1,
+        learning_rate=1e-2,
+    )
     counts = count_logp_forwards(monkeypatch)
     trainer.train()
     assert counts == {"grad": 6, "no_grad": 2}  # the reference forward, once per generation batch
@@ -195,9 +220,18 @@ def test_sync_loglinear_and_recompute_train_the_same_weights(tmp_path, tokenizer
     # logging: bit for bit recompute's weights (its sweep runs ended below recompute's twice; not from this).
     trained = {}
     for method in ("loglinear", "recompute", "metrics"):
-        trainer = make_trainer(tmp_path / method, tokenizer, prompt_dataset, prox_logp_method=method,
-                               steps_per_generation=4, max_steps=8, async_generation=False, learning_rate=3e-2,
-                               lr_scheduler_type="constant", behav_imp_weight_cap=None)
+        trainer = make_trainer(
+            tmp_path / method,
+            tokenizer,
+            prompt_dataset,
+            prox_logp_method=method,
+            steps_per_generation=4,
+            max_steps=8,
+            async_generation=False,
+            learning_rate=3e-2,
+            lr_scheduler_type="constant",
+            behav_imp_weight_cap=None,
+        )
         trainer.train()
         assert logged(trainer, "a3po/staleness/max") == [0] * 8
         assert logged(trainer, "a3po/alpha/mean") == [1] * 8
@@ -231,8 +265,9 @@ def test_metrics_mode_buckets_the_error_by_staleness(tmp_path, tokenizer, prompt
 
 
 def test_grpotrainer_would_pay_a_forward_that_loglinear_skips(tmp_path, tokenizer, prompt_dataset, monkeypatch):
-    grpo = make_trainer(tmp_path, tokenizer, prompt_dataset, GRPOTrainer, GRPOConfig, steps_per_generation=3,
-                        max_steps=3)
+    grpo = make_trainer(
+        tmp_path, tokenizer, prompt_dataset, GRPOTrainer, GRPOConfig, steps_per_generation=3, max_steps=3
+    )
     counts = count_logp_forwards(monkeypatch)
     grpo.train()
     assert counts == {"grad": 3, "no_grad": 1}
@@ -302,8 +337,15 @@ def test_lora_training(tmp_path, tokenizer, prompt_dataset, monkeypatch):
 def test_num_iterations_reuse_is_one_version(tmp_path, tokenizer, prompt_dataset, monkeypatch):
     # num_iterations=2 trains each generation batch twice (4 optimizer steps): all of it is one training step, so
     # one policy version: staleness 0, and no extra forward (TRL would run its old-log-prob forward here).
-    trainer = make_trainer(tmp_path, tokenizer, prompt_dataset, steps_per_generation=2, num_iterations=2,
-                           max_steps=8, async_generation=False)
+    trainer = make_trainer(
+        tmp_path,
+        tokenizer,
+        prompt_dataset,
+        steps_per_generation=2,
+        num_iterations=2,
+        max_steps=8,
+        async_generation=False,
+    )
     counts = count_logp_forwards(monkeypatch)
     trainer.train()
     assert logged(trainer, "a3po/staleness/mean") == [0] * 8
@@ -320,9 +362,19 @@ def test_behaviour_weight_options_train(tmp_path, tokenizer, prompt_dataset, mod
     # A sequence's weight is the geometric mean of its token weights, much closer to 1 than the tokens' own: tighter
     # bounds there, so that they bite at staleness 2 whatever the (thread-timed) samples were.
     low, high = (0.95, 1.05) if level == "token" else (0.995, 1.005)
-    trainer = make_trainer(tmp_path, tokenizer, prompt_dataset, steps_per_generation=2, max_steps=8, max_staleness=2,
-                           learning_rate=1e-2, behav_imp_weight_mode=mode, behav_imp_weight_level=level,
-                           behav_imp_weight_cap=high, behav_imp_weight_min=low)
+    trainer = make_trainer(
+        tmp_path,
+        tokenizer,
+        prompt_dataset,
+        steps_per_generation=2,
+        max_steps=8,
+        max_staleness=2,
+        learning_rate=1e-2,
+        behav_imp_weight_mode=mode,
+        behav_imp_weight_level=level,
+        behav_imp_weight_cap=high,
+        behav_imp_weight_min=low,
+    )
     trainer.train()
     staleness = logged(trainer, "a3po/staleness/max")
     for key in ("a3po/capped_frac", "a3po/below_min_frac", "a3po/seq_capped_frac", "a3po/seq_below_min_frac"):
@@ -337,8 +389,7 @@ def test_behaviour_weight_options_train(tmp_path, tokenizer, prompt_dataset, mod
         assert min(logged(trainer, "a3po/behav_imp_weight/min")) >= low - 1e-6
 
 
-def test_without_args_a3po_trainer_builds_trains_and_cites_the_paper(tmp_path, tokenizer, prompt_dataset,
-                                                                     monkeypatch):
+def test_without_args_a3po_trainer_builds_trains_and_cites_the_paper(tmp_path, tokenizer, prompt_dataset, monkeypatch):
     # TRL's convention: no `args` gives a config named after the model. Unlike GRPOTrainer's default (bf16, which
     # fails on a machine without a bf16 GPU), the precision follows the hardware; the model card cites A-3PO.
     model_dir = tmp_path / "tiny-policy"
@@ -387,25 +438,34 @@ def test_the_library_trains_without_the_demo_and_plot_extras(tmp_path):
     # neither `import trl_a3po` nor training imports them.
     import subprocess
     import sys
-    import tomllib
     from pathlib import Path
+
+    import tomllib
 
     repo = Path(__file__).resolve().parent.parent
     project = tomllib.loads((repo / "pyproject.toml").read_text())["project"]
     required = " ".join(project["dependencies"])
     assert "gguf" not in required and "matplotlib" not in required
     assert project["optional-dependencies"]["demo"] == ["gguf"] and project["optional-dependencies"]["plot"] == [
-        "matplotlib"]
-    result = subprocess.run([sys.executable, "-c", LEAN, str(tmp_path)], cwd=repo, capture_output=True, text=True,
-                            timeout=300, env={**__import__("os").environ, "HF_HUB_OFFLINE": "1"})
+        "matplotlib"
+    ]
+    result = subprocess.run(
+        [sys.executable, "-c", LEAN, str(tmp_path)],
+        cwd=repo,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**__import__("os").environ, "HF_HUB_OFFLINE": "1"},
+    )
     assert result.returncode == 0 and "lean ok" in result.stdout, result.stderr[-3000:]
 
 
 def test_metrics_are_read_from_the_device_once_per_optimizer_step(tmp_path, tokenizer, prompt_dataset, monkeypatch):
     # Every `.item()` / `.tolist()` is a device synchronisation on a GPU. The decoupled loss keeps its metrics on the
     # device and reads them all at once at the end of an optimizer step: none on the micro-batches before it.
-    trainer = make_trainer(tmp_path, tokenizer, prompt_dataset, steps_per_generation=4,
-                           gradient_accumulation_steps=2, max_steps=4)
+    trainer = make_trainer(
+        tmp_path, tokenizer, prompt_dataset, steps_per_generation=4, gradient_accumulation_steps=2, max_steps=4
+    )
     reads = {"accumulating": 0, "last": 0}
     inside = []
 
@@ -414,6 +474,7 @@ def test_metrics_are_read_from_the_device_once_per_optimizer_step(tmp_path, toke
             if inside and threading.current_thread() is threading.main_thread():  # not the producer's
                 reads[inside[-1]] += 1
             return original(self, *args, **kwargs)
+
         return read
 
     monkeypatch.setattr(torch.Tensor, "item", counting(torch.Tensor.item))
@@ -445,15 +506,26 @@ def test_a_reward_function_logging_a_metric_trains(tmp_path, tokenizer, prompt_d
         return rewards
 
     args = A3POConfig(output_dir=str(tmp_path), **{**COMMON, "max_steps": 2, "use_decoupled_loss": decoupled})
-    trainer = A3POTrainer(model=make_model(tokenizer), reward_funcs=reward_with_metric, args=args,
-                          train_dataset=prompt_dataset, processing_class=tokenizer)
+    trainer = A3POTrainer(
+        model=make_model(tokenizer),
+        reward_funcs=reward_with_metric,
+        args=args,
+        train_dataset=prompt_dataset,
+        processing_class=tokenizer,
+    )
     trainer.train()
     assert logged(trainer, "digit_share_max") == pytest.approx(logged_values) and len(logged_values) == 2
 
 
-@pytest.mark.parametrize("kwargs,key", [({"num_beams": 2}, "num_beams"), ({"do_sample": False}, "do_sample"),
-                                        ({"num_return_sequences": 2}, "num_return_sequences"),
-                                        ({"penalty_alpha": 0.6, "top_k": 4}, "penalty_alpha")])
+@pytest.mark.parametrize(
+    "kwargs,key",
+    [
+        ({"num_beams": 2}, "num_beams"),
+        ({"do_sample": False}, "do_sample"),
+        ({"num_return_sequences": 2}, "num_return_sequences"),
+        ({"penalty_alpha": 0.6, "top_k": 4}, "penalty_alpha"),
+    ],
+)
 def test_generation_kwargs_that_do_not_sample_one_completion_are_refused_by_name(tmp_path, kwargs, key):
     with pytest.raises(ValueError, match=rf"A3POConfig.generation_kwargs\['{key}'\]"):
         A3POConfig(output_dir=str(tmp_path), **{**COMMON, "generation_kwargs": kwargs})
@@ -465,8 +537,9 @@ def test_other_generation_kwargs_reach_the_producer_and_its_logprobs(tmp_path, t
     # A processor TRL has no field for: generated ahead with it, and the behaviour log-probs are still those of the
     # distribution sampled from (a banned token has log-prob -inf there, so none is ever sampled).
     banned = tokenizer.convert_tokens_to_ids("<|user|>")
-    trainer = make_trainer(tmp_path, tokenizer, prompt_dataset, max_steps=4,
-                           generation_kwargs={"suppress_tokens": [banned]})
+    trainer = make_trainer(
+        tmp_path, tokenizer, prompt_dataset, max_steps=4, generation_kwargs={"suppress_tokens": [banned]}
+    )
     batches = []
     original = trainer._generate_and_score_completions
     trainer._generate_and_score_completions = lambda inputs: batches.append(original(inputs)) or batches[-1]
@@ -488,14 +561,24 @@ def test_a_plain_tensor_generate_gets_the_logprobs_of_the_distribution_it_sample
     plain = TensorGenerateModel(model.config)
     plain.load_state_dict(model.state_dict())
     plain.generation_config = model.generation_config
-    config = GenerationConfig(max_new_tokens=8, do_sample=True, temperature=0.7, top_k=20, top_p=0.9,
-                              repetition_penalty=1.2, pad_token_id=tokenizer.pad_token_id)
+    config = GenerationConfig(
+        max_new_tokens=8,
+        do_sample=True,
+        temperature=0.7,
+        top_k=20,
+        top_p=0.9,
+        repetition_penalty=1.2,
+        pad_token_id=tokenizer.pad_token_id,
+    )
     prompts = [tokenizer("Question 1: what is")["input_ids"], tokenizer("Natalia sold")["input_ids"]]
     results = []
     for m in (model, plain):
         torch.manual_seed(3)
-        results.append(generate_with_behavior_logprobs(m.eval(), prompts, config, tokenizer.pad_token_id,
-                                                       [tokenizer.eos_token_id]))
+        results.append(
+            generate_with_behavior_logprobs(
+                m.eval(), prompts, config, tokenizer.pad_token_id, [tokenizer.eos_token_id]
+            )
+        )
     (ids, logprobs), (plain_ids, plain_logprobs) = results
     assert plain_ids == ids and sum(map(len, ids)) > 8
     for row, plain_row in zip(logprobs, plain_logprobs):
@@ -511,9 +594,17 @@ def test_a_plain_tensor_generate_trains_asynchronously(tmp_path, tokenizer, prom
 
 @pytest.mark.parametrize("async_generation", [False, True])
 def test_a_cooled_sampler_reports_the_logprobs_it_sampled_from_while_the_learner_keeps_its_temperature(
-        tmp_path, tokenizer, prompt_dataset, async_generation):
-    trainer = make_trainer(tmp_path, tokenizer, prompt_dataset, temperature=1.0, sampling_temperature=0.5,
-                           async_generation=async_generation, max_steps=2)
+    tmp_path, tokenizer, prompt_dataset, async_generation
+):
+    trainer = make_trainer(
+        tmp_path,
+        tokenizer,
+        prompt_dataset,
+        temperature=1.0,
+        sampling_temperature=0.5,
+        async_generation=async_generation,
+        max_steps=2,
+    )
     assert trainer.temperature == 1.0 and trainer.generation_config.temperature == 0.5
     samples = []
     original = trainer._compute_loss
@@ -522,8 +613,10 @@ def test_a_cooled_sampler_reports_the_logprobs_it_sampled_from_while_the_learner
     batch = samples[0]
     model = make_model(tokenizer)  # the initial weights (same seed)
     with torch.no_grad():
-        logits = model(input_ids=torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1),
-                       attention_mask=torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1)).logits
+        logits = model(
+            input_ids=torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1),
+            attention_mask=torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1),
+        ).logits
     width = batch["prompt_ids"].size(1)
     logits = logits[:, width - 1 : -1]
     ids = batch["completion_ids"][:, :, None]
@@ -534,8 +627,13 @@ def test_a_cooled_sampler_reports_the_logprobs_it_sampled_from_while_the_learner
     assert (behaviour - at[1.0]).abs().max() > 1e-2  # not the learner's
 
 
-@pytest.mark.parametrize("kwargs,pattern", [(dict(use_decoupled_loss=False), "no behaviour weight to correct"),
-                                            (dict(sampling_temperature=0.0), "must be > 0")])
+@pytest.mark.parametrize(
+    "kwargs,pattern",
+    [
+        (dict(use_decoupled_loss=False), "no behaviour weight to correct"),
+        (dict(sampling_temperature=0.0), "must be > 0"),
+    ],
+)
 def test_sampling_temperature_needs_the_decoupled_loss(tmp_path, kwargs, pattern):
     with pytest.raises(ValueError, match=pattern):
         A3POConfig(output_dir=str(tmp_path), **{**COMMON, "sampling_temperature": 0.8, **kwargs})

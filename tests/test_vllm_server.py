@@ -5,12 +5,19 @@ import os
 import shutil
 import signal
 import tempfile
-import time
 import threading
+import time
 from pathlib import Path
 
 import pytest
 import torch
+from transformers import AutoModelForCausalLM, Qwen2Config, TrainerCallback
+
+from trl_a3po import A3POConfig, A3POTrainer
+from trl_a3po.rollout import GenerationQueue, ProducerError
+from trl_a3po.rollout.policy_weights import policy_tensors
+from trl_a3po.rollout.vllm_server import VLLMServerBackend, VLLMServerSetupError
+
 from conftest import (
     COMMON,
     VersionRecorder,
@@ -28,14 +35,8 @@ from conftest import (
     slow_generation,
     wait_for_the_next_version,
 )
-from transformers import AutoModelForCausalLM, Qwen2Config, TrainerCallback
-
-from trl_a3po.rollout.policy_weights import policy_tensors
-from trl_a3po import A3POConfig, A3POTrainer
-from trl_a3po.rollout import GenerationQueue, ProducerError
 from local_vllm import local_vllm_server
 
-from trl_a3po.rollout.vllm_server import VLLMServerBackend, VLLMServerSetupError
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -48,10 +49,18 @@ def vllm_python() -> str | None:
 def make_server_model(tokenizer):
     # vLLM's CPU attention needs a supported head size (32 here): a little wider than the other tests' model.
     torch.manual_seed(0)
-    config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512,
-                         tie_word_embeddings=True, pad_token_id=tokenizer.pad_token_id,
-                         eos_token_id=tokenizer.eos_token_id)
+    config = Qwen2Config(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=512,
+        tie_word_embeddings=True,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.generation_config.eos_token_id = tokenizer.eos_token_id
@@ -73,8 +82,16 @@ def vllm_server(tmp_path_factory):
     port = free_port()
     # The NCCL weight-transfer engine is configured (the probe checks it for the nccl transport's stand-in test);
     # it is only opened by /init_weight_transfer_engine, which no test here calls.
-    with local_vllm_server(python, str(model_dir), port, str(root), max_model_len=512, timeout_s=300,
-                           env={"HF_HUB_OFFLINE": "1"}, extra_args=NCCL_SERVER_ARGS):
+    with local_vllm_server(
+        python,
+        str(model_dir),
+        port,
+        str(root),
+        max_model_len=512,
+        timeout_s=300,
+        env={"HF_HUB_OFFLINE": "1"},
+        extra_args=NCCL_SERVER_ARGS,
+    ):
         yield {"port": port, "model_dir": model_dir, "tokenizer": tokenizer, "log": root / "server.log"}
 
 
@@ -86,19 +103,35 @@ def vllm_lora_server(vllm_server):
     """A second server of the same model that loads LoRA adapters at run time (lora_weight_sync='adapter')."""
     port = free_port()
     workdir = Path(tempfile.mkdtemp(prefix="vllm-", dir="/tmp"))  # engine sockets: a short path
-    with local_vllm_server(vllm_python(), str(vllm_server["model_dir"]), port, str(workdir), max_model_len=512,
-                           timeout_s=300, env={"HF_HUB_OFFLINE": "1", "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"},
-                           extra_args=("--enable-lora", "--max-lora-rank", "8", "--max-loras", "2")):
+    with local_vllm_server(
+        vllm_python(),
+        str(vllm_server["model_dir"]),
+        port,
+        str(workdir),
+        max_model_len=512,
+        timeout_s=300,
+        env={"HF_HUB_OFFLINE": "1", "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"},
+        extra_args=("--enable-lora", "--max-lora-rank", "8", "--max-loras", "2"),
+    ):
         yield {**vllm_server, "port": port, "log": workdir / "server.log"}
     shutil.rmtree(workdir, ignore_errors=True)
 
 
 def make_trainer(tmp_path, server, prompt_dataset, **kwargs):
-    args = A3POConfig(output_dir=str(tmp_path), rollout_backend="vllm_server", vllm_server_port=server["port"],
-                      **{**COMMON, **kwargs})
+    args = A3POConfig(
+        output_dir=str(tmp_path),
+        rollout_backend="vllm_server",
+        vllm_server_port=server["port"],
+        **{**COMMON, **kwargs},
+    )
     model = AutoModelForCausalLM.from_pretrained(server["model_dir"], dtype=torch.float32)
-    return A3POTrainer(model=model, reward_funcs=digit_reward, args=args, train_dataset=prompt_dataset,
-                       processing_class=server["tokenizer"])
+    return A3POTrainer(
+        model=model,
+        reward_funcs=digit_reward,
+        args=args,
+        train_dataset=prompt_dataset,
+        processing_class=server["tokenizer"],
+    )
 
 
 def server_vs_trainer_logprob_error(backend, trainer, prompt):
@@ -130,8 +163,9 @@ def test_disk_sync_makes_the_server_match_the_trainers_weights(tmp_path, vllm_se
 
 
 @pytest.mark.parametrize("inflight,continuous", [(False, False), (True, False), (False, True), (True, True)])
-def test_async_training_on_the_vllm_server_respects_the_bound(tmp_path, vllm_server, prompt_dataset, inflight,
-                                                              continuous, monkeypatch):
+def test_async_training_on_the_vllm_server_respects_the_bound(
+    tmp_path, vllm_server, prompt_dataset, inflight, continuous, monkeypatch
+):
     # in-flight: requests aborted mid-sequence, the version pushed, the rest resubmitted
     if inflight and continuous:
         monkeypatch.setattr(GenerationQueue, "_newer_version_due", wait_for_the_next_version)
@@ -155,9 +189,18 @@ def test_async_training_on_the_vllm_server_respects_the_bound(tmp_path, vllm_ser
                     streams["now"] -= 1
 
         monkeypatch.setattr(VLLMServerBackend, "generate_until", counted)
-    trainer = make_trainer(tmp_path, vllm_server, prompt_dataset, steps_per_generation=2, max_steps=8,
-                           weight_sync_transport="disk", max_staleness=2, learning_rate=1e-2,
-                           inflight_weight_updates=inflight, continuous_generation=continuous)
+    trainer = make_trainer(
+        tmp_path,
+        vllm_server,
+        prompt_dataset,
+        steps_per_generation=2,
+        max_steps=8,
+        weight_sync_transport="disk",
+        max_staleness=2,
+        learning_rate=1e-2,
+        inflight_weight_updates=inflight,
+        continuous_generation=continuous,
+    )
     versions = VersionRecorder(trainer)
     trainer.add_callback(versions)
     samples = record_trained_samples(trainer)
@@ -176,8 +219,9 @@ def test_async_training_on_the_vllm_server_respects_the_bound(tmp_path, vllm_ser
     if continuous:  # several generation batches streamed at once
         assert streams["most"] >= 2
     # at staleness <= 1 the proximal policy is the behaviour policy: weight exactly 1
-    for d, w_min, w_max in zip(staleness, logged(trainer, "a3po/behav_imp_weight/min"),
-                               logged(trainer, "a3po/behav_imp_weight/max")):
+    for d, w_min, w_max in zip(
+        staleness, logged(trainer, "a3po/behav_imp_weight/min"), logged(trainer, "a3po/behav_imp_weight/max")
+    ):
         if d <= 1:
             assert w_min == pytest.approx(1.0) and w_max == pytest.approx(1.0)
     assert producer_threads() == []  # no thread left behind
@@ -195,8 +239,9 @@ def test_greedy_eval_on_the_vllm_server_matches_hf_generate(vllm_server, tmp_pat
     backend = VLLMServerBackend(url, DiskTransport(str(tmp_path)), sampling={})
     backend.load(backend.stage(model.state_dict()))
     dataset = load_gsm8k(str(REPO / "recipes" / "data" / "gsm8k"), "test", limit=4)
-    result = gsm8k_greedy_accuracy(dataset, tokenizer, vllm_base_url=url, batch_size=2, max_new_tokens=8,
-                                   progress=False)
+    result = gsm8k_greedy_accuracy(
+        dataset, tokenizer, vllm_base_url=url, batch_size=2, max_new_tokens=8, progress=False
+    )
     prompt_ids = _render(tokenizer, dataset["prompt"])
     texts = generate_greedy_hf(model, tokenizer, prompt_ids, 8)
     assert generate_greedy_vllm(url, prompt_ids, 8) == texts
@@ -267,12 +312,24 @@ def test_a_real_server_without_dev_mode_is_refused_before_the_first_step(tmp_pat
     port = free_port()
     # a short work folder: vLLM's engine sockets live there, and a socket path may have at most 107 characters
     workdir = Path(tempfile.mkdtemp(prefix="vllm-", dir="/tmp"))
-    with local_vllm_server(vllm_python(), str(vllm_server["model_dir"]), port, str(workdir), max_model_len=512,
-                           timeout_s=300, env={"HF_HUB_OFFLINE": "1"}, dev_mode=False):
-        trainer = make_trainer(tmp_path, {**vllm_server, "port": port}, prompt_dataset, max_steps=2,
-                               weight_sync_transport="disk")
-        with pytest.raises(VLLMServerSetupError, match=r"started without VLLM_SERVER_DEV_MODE=1.*Restart it with "
-                                                       r"VLLM_SERVER_DEV_MODE=1 in its environment"):
+    with local_vllm_server(
+        vllm_python(),
+        str(vllm_server["model_dir"]),
+        port,
+        str(workdir),
+        max_model_len=512,
+        timeout_s=300,
+        env={"HF_HUB_OFFLINE": "1"},
+        dev_mode=False,
+    ):
+        trainer = make_trainer(
+            tmp_path, {**vllm_server, "port": port}, prompt_dataset, max_steps=2, weight_sync_transport="disk"
+        )
+        with pytest.raises(
+            VLLMServerSetupError,
+            match=r"started without VLLM_SERVER_DEV_MODE=1.*Restart it with "
+            r"VLLM_SERVER_DEV_MODE=1 in its environment",
+        ):
             trainer.train()
         assert trainer.state.global_step == 0
         log = (workdir / "server.log").read_text()
@@ -310,19 +367,30 @@ def adapter_traffic(log: str) -> dict:
 LORA = dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
 
 
-def test_lora_adapter_sync_loads_one_adapter_per_version_and_never_the_base_weights(tmp_path, vllm_lora_server,
-                                                                                     prompt_dataset):
+def test_lora_adapter_sync_loads_one_adapter_per_version_and_never_the_base_weights(
+    tmp_path, vllm_lora_server, prompt_dataset
+):
     from peft import LoraConfig
 
     server = vllm_lora_server
     before = adapter_traffic(server["log"].read_text())
-    args = A3POConfig(output_dir=str(tmp_path), rollout_backend="vllm_server", vllm_server_port=server["port"],
-                      lora_weight_sync="adapter", weight_sync_transport="disk",
-                      **{**COMMON, "steps_per_generation": 2, "max_steps": 8, "max_staleness": 2,
-                         "learning_rate": 1e-2})
+    args = A3POConfig(
+        output_dir=str(tmp_path),
+        rollout_backend="vllm_server",
+        vllm_server_port=server["port"],
+        lora_weight_sync="adapter",
+        weight_sync_transport="disk",
+        **{**COMMON, "steps_per_generation": 2, "max_steps": 8, "max_staleness": 2, "learning_rate": 1e-2},
+    )
     model = AutoModelForCausalLM.from_pretrained(server["model_dir"], dtype=torch.float32)
-    trainer = A3POTrainer(model=model, reward_funcs=digit_reward, args=args, train_dataset=prompt_dataset,
-                          processing_class=server["tokenizer"], peft_config=LoraConfig(**LORA))
+    trainer = A3POTrainer(
+        model=model,
+        reward_funcs=digit_reward,
+        args=args,
+        train_dataset=prompt_dataset,
+        processing_class=server["tokenizer"],
+        peft_config=LoraConfig(**LORA),
+    )
     versions = VersionRecorder(trainer)
     trainer.add_callback(versions)
     samples = record_trained_samples(trainer)
@@ -338,8 +406,9 @@ def test_lora_adapter_sync_loads_one_adapter_per_version_and_never_the_base_weig
     assert trainer._rollout.sends_adapter
 
 
-def test_two_processes_share_a_lora_server_with_one_adapter_per_version(tmp_path, vllm_lora_server,
-                                                                         synchronous_shards):
+def test_two_processes_share_a_lora_server_with_one_adapter_per_version(
+    tmp_path, vllm_lora_server, synchronous_shards
+):
     server = vllm_lora_server
     before = adapter_traffic(server["log"].read_text())
     ranks = launch(tmp_path, "vllm-lora-adapter", server["port"], server["model_dir"])
@@ -352,11 +421,18 @@ def test_two_processes_share_a_lora_server_with_one_adapter_per_version(tmp_path
     assert traffic["base_reloads"] == 0 and traffic["most_at_once"] <= 2 + 2
 
 
-@pytest.mark.parametrize("case", [dict(loss_type="grpo", importance_sampling_level="sequence"),  # GSPO
-                                  dict(loss_type="cispo")], ids=["gspo", "cispo"])
+@pytest.mark.parametrize(
+    "case",
+    [
+        dict(loss_type="grpo", importance_sampling_level="sequence"),  # GSPO
+        dict(loss_type="cispo"),
+    ],
+    ids=["gspo", "cispo"],
+)
 def test_gspo_and_cispo_train_asynchronously_on_the_vllm_server(tmp_path, vllm_server, prompt_dataset, case):
-    trainer = make_trainer(tmp_path, vllm_server, prompt_dataset, max_steps=8, weight_sync_transport="disk",
-                           learning_rate=1e-2, **case)
+    trainer = make_trainer(
+        tmp_path, vllm_server, prompt_dataset, max_steps=8, weight_sync_transport="disk", learning_rate=1e-2, **case
+    )
     generate_two_versions_ahead(trainer)
     versions = VersionRecorder(trainer)
     trainer.add_callback(versions)
@@ -370,8 +446,16 @@ def test_gspo_and_cispo_train_asynchronously_on_the_vllm_server(tmp_path, vllm_s
 
 
 def test_a_cooled_sampler_on_the_vllm_server_reports_the_cooled_logprobs(tmp_path, vllm_server, prompt_dataset):
-    trainer = make_trainer(tmp_path, vllm_server, prompt_dataset, max_steps=6, weight_sync_transport="disk",
-                           learning_rate=1e-2, temperature=1.0, sampling_temperature=0.7)
+    trainer = make_trainer(
+        tmp_path,
+        vllm_server,
+        prompt_dataset,
+        max_steps=6,
+        weight_sync_transport="disk",
+        learning_rate=1e-2,
+        temperature=1.0,
+        sampling_temperature=0.7,
+    )
     generate_two_versions_ahead(trainer)
     versions = VersionRecorder(trainer)
     trainer.add_callback(versions)
@@ -400,8 +484,16 @@ def test_a_server_killed_mid_run_stops_training_naming_it(tmp_path, vllm_lora_se
                 kill_server_group(port)
                 KillAfterFirstStep.killed_at = time.monotonic()
 
-    trainer = make_trainer(tmp_path, server, prompt_dataset, max_steps=6, steps_per_generation=1, max_staleness=2,
-                           weight_sync_transport="disk", vllm_server_timeout=30.0)
+    trainer = make_trainer(
+        tmp_path,
+        server,
+        prompt_dataset,
+        max_steps=6,
+        steps_per_generation=1,
+        max_staleness=2,
+        weight_sync_transport="disk",
+        vllm_server_timeout=30.0,
+    )
     trainer.add_callback(KillAfterFirstStep())
     with pytest.raises(ProducerError, match=rf"vLLM server at 127.0.0.1:{port} went away"):
         trainer.train()
@@ -427,14 +519,29 @@ def test_a_server_restarted_mid_run_never_trains_a_mislabelled_sample(tmp_path, 
         def on_step_end(self, args, state, control, **kwargs):
             if state.global_step == 1:
                 kill_server_group(port)
-                restarted.enter_context(local_vllm_server(vllm_python(), str(vllm_server["model_dir"]), port,
-                                                          str(workdir), max_model_len=512, timeout_s=300,
-                                                          env={"HF_HUB_OFFLINE": "1"}))
+                restarted.enter_context(
+                    local_vllm_server(
+                        vllm_python(),
+                        str(vllm_server["model_dir"]),
+                        port,
+                        str(workdir),
+                        max_model_len=512,
+                        timeout_s=300,
+                        env={"HF_HUB_OFFLINE": "1"},
+                    )
+                )
 
     with restarted:
-        trainer = make_trainer(tmp_path, vllm_server, prompt_dataset, max_steps=5,
-                               steps_per_generation=1, max_staleness=2, weight_sync_transport="disk",
-                               learning_rate=1e-2)
+        trainer = make_trainer(
+            tmp_path,
+            vllm_server,
+            prompt_dataset,
+            max_steps=5,
+            steps_per_generation=1,
+            max_staleness=2,
+            weight_sync_transport="disk",
+            learning_rate=1e-2,
+        )
         versions = VersionRecorder(trainer)
         trainer.add_callback(versions)
         trainer.add_callback(RestartAfterFirstStep())

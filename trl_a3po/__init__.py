@@ -6,6 +6,7 @@ not installed: the GPU check (benchmarks/gpu_check.sh) runs on a machine that ha
 
 import importlib
 
+
 _EXPORTS = {
     "A3POConfig": ".config",
     "A3POTrainer": ".trainer",

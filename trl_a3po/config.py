@@ -9,6 +9,7 @@ from trl import GRPOConfig
 
 from .proximal import BEHAV_WEIGHT_LEVELS, BEHAV_WEIGHT_MODES, CLIPPED_LOSS_TYPES
 
+
 PROX_LOGP_METHODS = ("loglinear", "recompute", "metrics")
 ROLLOUT_BACKENDS = ("inprocess", "vllm_server")
 WEIGHT_SYNC_TRANSPORTS = ("auto", "nccl", "disk")
@@ -94,8 +95,9 @@ class A3POConfig(GRPOConfig):
     behav_imp_weight_cap: float | None = field(
         default=5.0,
         metadata={
-            "help": "Upper bound on the behaviour importance weight pi_prox/pi_behav: above it a token's weight becomes "
-            "0 (behav_imp_weight_mode `mask`, the paper's; the token still counts in the loss denominator) or is "
+            "help": "Upper bound on the behaviour importance weight pi_prox/pi_behav: above it a token's weight "
+            "becomes 0 (behav_imp_weight_mode `mask`, the paper's; the token still counts in the "
+            "loss denominator) or is "
             "clamped to the cap (`truncate`). None disables the cap. Must be > 1."
         },
     )
@@ -111,8 +113,9 @@ class A3POConfig(GRPOConfig):
     behav_imp_weight_min: float | None = field(
         default=None,
         metadata={
-            "help": "Optional lower bound on the behaviour weight, in (0, 1): with `mask`, tokens (or sequences) below "
-            "it are dropped too, a two-sided mask as in IcePop; with `truncate`, weights are raised to it. None = no "
+            "help": "Optional lower bound on the behaviour weight, in (0, 1): with `mask`, tokens (or sequences) "
+            "below it are dropped too, a two-sided mask as in IcePop; with `truncate`, weights are "
+            "raised to it. None = no "
             "lower bound."
         },
     )
@@ -197,7 +200,7 @@ class A3POConfig(GRPOConfig):
             "`--logprobs-mode processed_logprobs` for both (checked at start-up). `disk`: safetensors in "
             "`weight_sync_dir`, then the server reloads them (CPU, or nodes sharing a file system). `nccl`: one "
             "packed NCCL broadcast per version through TRL's VLLMClient (GPU; the server also needs "
-            "`--weight-transfer-config '{\"backend\": \"nccl\"}'`, the trainer the server's vLLM release: "
+            '`--weight-transfer-config \'{"backend": "nccl"}\'`, the trainer the server\'s vLLM release: '
             "`pip install trl-a3po[vllm]`; vllm_group_port is the NCCL group's port). `auto`: nccl where CUDA is "
             "available, else disk.",
             "choices": list(WEIGHT_SYNC_TRANSPORTS),
@@ -206,9 +209,11 @@ class A3POConfig(GRPOConfig):
     lora_weight_sync: str = field(
         default="auto",
         metadata={
-            "help": "With a PEFT LoRA policy and rollout_backend='vllm_server': what each version sends to the server. "
-            "`adapter`: the adapter alone (MBs instead of the whole model), loaded as a new LoRA named after the "
-            "version (`/v1/load_lora_adapter`, from a folder under weight_sync_dir, also with the nccl transport: vLLM "
+            "help": "With a PEFT LoRA policy and rollout_backend='vllm_server': what each version sends to the "
+            "server. `adapter`: the adapter alone (MBs instead of the whole model), loaded as a new "
+            "LoRA named after the "
+            "version (`/v1/load_lora_adapter`, from a folder under weight_sync_dir, also with the "
+            "nccl transport: vLLM "
             "loads adapters from files); requests name it, older ones are unloaded. Needs the server started with "
             "--enable-lora, --max-lora-rank >= r and VLLM_ALLOW_RUNTIME_LORA_UPDATING=True (checked at start-up). "
             "`merged`: the merged weights W + scale * B @ A. `auto`: adapter where the server and the LoRA config "
@@ -247,7 +252,8 @@ class A3POConfig(GRPOConfig):
             "help": "Switch the generator to a newer policy version in the middle of a generation, between two "
             "tokens: every unfinished sequence continues from its prompt and the tokens so far, their keys and values "
             "recomputed by the new weights, and each token records the version that sampled it (its own staleness and "
-            "alpha in the loss). Fewer stale tokens in long generations, at the cost of one prefill per switch. Off by "
+            "alpha in the loss). Fewer stale tokens in long generations, at the cost of one prefill "
+            "per switch. Off by "
             "default (one version per sequence): measured, it lowered the token staleness but not the wall time "
             "beyond noise (benchmarks/RESULTS.md, benchmarks/inflight.py). On a vLLM server the request is aborted, "
             "the version pushed, and the unfinished sequences resubmitted with the tokens received so far."
@@ -280,7 +286,8 @@ class A3POConfig(GRPOConfig):
             raise ValueError(
                 f"A3POConfig: steps_per_generation ({self.steps_per_generation}) x num_iterations "
                 f"({self.num_iterations}) = {micro_steps} micro-batches per generation batch must be a multiple of "
-                f"gradient_accumulation_steps ({self.gradient_accumulation_steps}), so that every generation batch ends "
+                f"gradient_accumulation_steps ({self.gradient_accumulation_steps}), so that every "
+                "generation batch ends "
                 "on an optimizer step (the end of a policy version); e.g. set steps_per_generation to a multiple of "
                 "gradient_accumulation_steps."
             )
@@ -288,8 +295,9 @@ class A3POConfig(GRPOConfig):
             self._refuse_non_sampling_generation_kwargs()
         if self.sampling_temperature is not None:
             if not self.sampling_temperature > 0.0:
-                raise ValueError(f"sampling_temperature={self.sampling_temperature} must be > 0 (or None: "
-                                 "`temperature`).")
+                raise ValueError(
+                    f"sampling_temperature={self.sampling_temperature} must be > 0 (or None: `temperature`)."
+                )
             if not self.use_decoupled_loss:
                 raise ValueError(
                     "sampling_temperature samples from another distribution than the learner's; GRPOTrainer's "
@@ -325,7 +333,8 @@ class A3POConfig(GRPOConfig):
             ),
             "delta": (
                 self.delta is not None and self.dual_clip_c is not None,
-                "TRL's `delta` and dual_clip_c both bound the loss of negative-advantage tokens (delta caps the ratio, "
+                "TRL's `delta` and dual_clip_c both bound the loss of negative-advantage tokens "
+                "(delta caps the ratio, "
                 "dual_clip_c the loss at c*|A|, the same bound with c = delta); set only one of them",
             ),
         }
@@ -337,10 +346,14 @@ class A3POConfig(GRPOConfig):
         """generation_kwargs that make the generator return something else than one sampled completion per prompt
         row, named before any model work (the behaviour log-probs and the producer's batch need exactly that)."""
         kwargs = self.generation_kwargs or {}
-        not_sampled = ("selects tokens instead of sampling them: no distribution drew them, so their behaviour "
-                       "log-probs (and the behaviour weight pi_prox/pi_behav) have no meaning")
-        more_rows = ("returns several completions per prompt row; GRPO repeats each prompt num_generations times "
-                     "already: set num_generations instead")
+        not_sampled = (
+            "selects tokens instead of sampling them: no distribution drew them, so their behaviour "
+            "log-probs (and the behaviour weight pi_prox/pi_behav) have no meaning"
+        )
+        more_rows = (
+            "returns several completions per prompt row; GRPO repeats each prompt num_generations times "
+            "already: set num_generations instead"
+        )
         refused = {
             "num_beams": (lambda v: v not in (None, 1), f"beam search {not_sampled}"),
             "num_beam_groups": (lambda v: v not in (None, 1), f"group beam search {not_sampled}"),
@@ -361,11 +374,15 @@ class A3POConfig(GRPOConfig):
 
     def _validate_behaviour_weight(self):
         if self.behav_imp_weight_mode not in BEHAV_WEIGHT_MODES:
-            raise ValueError(f"behav_imp_weight_mode={self.behav_imp_weight_mode!r} is not supported; use one of "
-                             f"{BEHAV_WEIGHT_MODES}.")
+            raise ValueError(
+                f"behav_imp_weight_mode={self.behav_imp_weight_mode!r} is not supported; use one of "
+                f"{BEHAV_WEIGHT_MODES}."
+            )
         if self.behav_imp_weight_level not in BEHAV_WEIGHT_LEVELS:
-            raise ValueError(f"behav_imp_weight_level={self.behav_imp_weight_level!r} is not supported; use one of "
-                             f"{BEHAV_WEIGHT_LEVELS}.")
+            raise ValueError(
+                f"behav_imp_weight_level={self.behav_imp_weight_level!r} is not supported; use one of "
+                f"{BEHAV_WEIGHT_LEVELS}."
+            )
         if self.behav_imp_weight_min is not None and not 0.0 < self.behav_imp_weight_min < 1.0:
             raise ValueError(
                 f"behav_imp_weight_min={self.behav_imp_weight_min} must be in (0, 1): on-policy tokens have weight 1 "
@@ -393,15 +410,18 @@ class A3POConfig(GRPOConfig):
         if self.async_generation is None:
             self.async_generation = self.use_decoupled_loss and not self.use_vllm
         if self.rollout_backend not in ROLLOUT_BACKENDS:
-            raise ValueError(f"rollout_backend={self.rollout_backend!r} is not supported; use one of {ROLLOUT_BACKENDS}.")
+            raise ValueError(
+                f"rollout_backend={self.rollout_backend!r} is not supported; use one of {ROLLOUT_BACKENDS}."
+            )
         if self.weight_sync_transport not in WEIGHT_SYNC_TRANSPORTS:
             raise ValueError(
                 f"weight_sync_transport={self.weight_sync_transport!r} is not supported; use one of "
                 f"{WEIGHT_SYNC_TRANSPORTS}."
             )
         if self.lora_weight_sync not in LORA_WEIGHT_SYNCS:
-            raise ValueError(f"lora_weight_sync={self.lora_weight_sync!r} is not supported; use one of "
-                             f"{LORA_WEIGHT_SYNCS}.")
+            raise ValueError(
+                f"lora_weight_sync={self.lora_weight_sync!r} is not supported; use one of {LORA_WEIGHT_SYNCS}."
+            )
         if self.lora_weight_sync == "adapter" and self.rollout_backend != "vllm_server":
             raise ValueError(
                 "lora_weight_sync='adapter' sends LoRA adapters to a vLLM server; with rollout_backend="
@@ -435,13 +455,15 @@ class A3POConfig(GRPOConfig):
             if not self.use_decoupled_loss and self.max_staleness != 0:
                 raise ValueError(
                     f"async_generation=True with max_staleness={self.max_staleness} trains on stale samples, which "
-                    "the coupled GRPO loss (use_decoupled_loss=False) does not correct; set use_decoupled_loss=True, or "
+                    "the coupled GRPO loss (use_decoupled_loss=False) does not correct; set "
+                    "use_decoupled_loss=True, or "
                     "max_staleness=0 (synchronous: each batch generated by the version that trains it), or "
                     "async_generation=False."
                 )
             if self.vllm_structured_outputs_regex is not None:
                 raise ValueError(
-                    "vllm_structured_outputs_regex constrains TRL's own vLLM generation; the asynchronous producer sends "
+                    "vllm_structured_outputs_regex constrains TRL's own vLLM generation; the "
+                    "asynchronous producer sends "
                     "no structured-output constraint, so it would be ignored. Set async_generation=False with "
                     "use_vllm=True, or unset vllm_structured_outputs_regex."
                 )

@@ -8,6 +8,7 @@ import random
 
 from datasets import Dataset, load_dataset
 
+
 INSTRUCTION = "Solve the problem step by step. Put the final answer, a number, in \\boxed{}."
 
 
@@ -15,10 +16,16 @@ INSTRUCTION = "Solve the problem step by step. Put the final answer, a number, i
 # \boxed{} answer (SmolLM2-135M-Instruct: 0% of greedy answers boxed without it, ~40% with it). Written for this
 # project, not taken from GSM8K, so it overlaps no train or test problem.
 ONE_SHOT = [
-    {"role": "user", "content": "A baker made 36 muffins in the morning and half as many in the afternoon. How many "
-                                f"muffins did the baker make in total?\n\n{INSTRUCTION}"},
-    {"role": "assistant", "content": "In the afternoon the baker made 36 / 2 = 18 muffins.\nIn total the baker made "
-                                     "36 + 18 = 54 muffins.\nThe answer is \\boxed{54}."},
+    {
+        "role": "user",
+        "content": "A baker made 36 muffins in the morning and half as many in the afternoon. How many "
+        f"muffins did the baker make in total?\n\n{INSTRUCTION}",
+    },
+    {
+        "role": "assistant",
+        "content": "In the afternoon the baker made 36 / 2 = 18 muffins.\nIn total the baker made "
+        "36 + 18 = 54 muffins.\nThe answer is \\boxed{54}.",
+    },
 ]
 
 
@@ -44,8 +51,10 @@ def _jsonl_lines(path: str) -> list[int]:
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as error:
-                raise ValueError(f"{path}, line {number}: not valid JSON ({error.msg}, column {error.colno}): "
-                                 f"{line.strip()[:120]!r}") from None
+                raise ValueError(
+                    f"{path}, line {number}: not valid JSON ({error.msg}, column {error.colno}): "
+                    f"{line.strip()[:120]!r}"
+                ) from None
             if not isinstance(record, dict):
                 raise ValueError(f"{path}, line {number}: expected a JSON object, got {type(record).__name__}")
             numbers.append(number)
@@ -92,7 +101,9 @@ def load_gsm8k(
             raise ValueError(f"max_solution_steps must be >= 0 (or None for all problems), got {max_solution_steps}")
         dataset = dataset.filter(lambda row: solution_steps(str(row["answer"])) <= max_solution_steps)
         if len(dataset) == 0:
-            raise ValueError(f"no GSM8K problem of {name_or_path!r} ({split}) has <= {max_solution_steps} solution steps")
+            raise ValueError(
+                f"no GSM8K problem of {name_or_path!r} ({split}) has <= {max_solution_steps} solution steps"
+            )
     if limit is not None:
         dataset = dataset.select(range(min(limit, len(dataset))))
     return dataset.map(lambda row: {"prompt": gsm8k_prompt(row["question"], one_shot)}, remove_columns=["question"])
@@ -110,7 +121,7 @@ def write_addition_dataset(folder: str, train_size: int = 2000, test_size: int =
     if train_size + test_size > len(pairs):
         raise ValueError(f"at most {len(pairs)} distinct problems: train_size + test_size = {train_size + test_size}")
     os.makedirs(folder, exist_ok=True)
-    splits = {"test": pairs[:test_size], "train": pairs[test_size:test_size + train_size]}
+    splits = {"test": pairs[:test_size], "train": pairs[test_size : test_size + train_size]}
     for split, chosen in splits.items():
         with open(os.path.join(folder, f"{split}.jsonl"), "w", encoding="utf-8") as f:
             for a, b in chosen:

@@ -22,8 +22,9 @@ def _render(tokenizer, prompts) -> list[list[int]]:
 
 
 @torch.no_grad()
-def generate_greedy_hf(model, tokenizer, prompt_ids: list[list[int]], max_new_tokens: int,
-                       synced_gpus: bool | None = None) -> list[str]:
+def generate_greedy_hf(
+    model, tokenizer, prompt_ids: list[list[int]], max_new_tokens: int, synced_gpus: bool | None = None
+) -> list[str]:
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     input_ids, attention_mask = left_pad(prompt_ids, pad)
     width = input_ids.size(1)
@@ -107,8 +108,11 @@ class GreedyEvalCallback(TrainerCallback):
             return
         # TRL's own context for generating with a sharded model (ZeRO-3: gathered; FSDP: full parameters summoned).
         with (
-            unwrap_model_for_generation(trainer.model_wrapped, trainer.accelerator,
-                                        gather_deepspeed3_params=trainer.args.ds3_gather_for_generation) as model,
+            unwrap_model_for_generation(
+                trainer.model_wrapped,
+                trainer.accelerator,
+                gather_deepspeed3_params=trainer.args.ds3_gather_for_generation,
+            ) as model,
             trainer._dist.summon_full_params(trainer.model_wrapped, recurse=False),
         ):
             yield model
@@ -120,9 +124,15 @@ class GreedyEvalCallback(TrainerCallback):
         accuracy = None
         if sharded or is_main:
             with self._model_for_generation(sharded) as model:
-                accuracy = gsm8k_greedy_accuracy(self.dataset, self.tokenizer, model=model, batch_size=self.batch_size,
-                                                 max_new_tokens=self.max_new_tokens, progress=False,
-                                                 synced_gpus=sharded)["accuracy"]
+                accuracy = gsm8k_greedy_accuracy(
+                    self.dataset,
+                    self.tokenizer,
+                    model=model,
+                    batch_size=self.batch_size,
+                    max_new_tokens=self.max_new_tokens,
+                    progress=False,
+                    synced_gpus=sharded,
+                )["accuracy"]
         trainer.accelerator.wait_for_everyone()
         return accuracy if is_main else None
 

@@ -8,6 +8,7 @@ import os
 import shutil
 import tempfile
 
+
 SMOLLM2_ALIAS = "smollm2-135m-instruct"
 _GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 

@@ -23,18 +23,27 @@ import json
 import os
 import statistics
 
+
 EVAL_KEY = "eval/gsm8k_greedy_accuracy"
 FIGURES = {
     "fig1_prox_time": ("proximal log-prob time per step", "a3po/prox_time_s", "seconds", "step"),
     "fig2_reward_wallclock": ("training reward vs wall-clock", "reward", "reward", "wall"),
     "fig2b_reward_step": ("training reward vs step", "reward", "reward", "step"),
     # the accuracy part alone: a format bonus can lift the total reward while accuracy falls
-    "fig2c_accuracy_reward_step": ("training accuracy reward vs step", "rewards/gsm8k_accuracy_reward/mean",
-                                   "accuracy reward", "step"),
+    "fig2c_accuracy_reward_step": (
+        "training accuracy reward vs step",
+        "rewards/gsm8k_accuracy_reward/mean",
+        "accuracy reward",
+        "step",
+    ),
     "fig3_eval_reward": ("greedy eval accuracy", EVAL_KEY, "accuracy", "step"),
     "fig4_entropy": ("policy entropy", "entropy", "entropy (nats)", "step"),
-    "fig5_importance_weight": ("behaviour importance weight", ("a3po/behav_imp_weight/max", "a3po/behav_imp_weight/min"),
-                               "pi_prox / pi_behav", "step"),
+    "fig5_importance_weight": (
+        "behaviour importance weight",
+        ("a3po/behav_imp_weight/max", "a3po/behav_imp_weight/min"),
+        "pi_prox / pi_behav",
+        "step",
+    ),
     "fig6_clipped_tokens": ("clipped tokens per step", "clip_ratio/region_mean", "fraction of tokens", "step"),
 }
 
@@ -72,8 +81,9 @@ def load_history(run_dir: str) -> list[dict]:
             if not isinstance(entry, dict) or "step" not in entry or "accuracy" not in entry:
                 raise ValueError(f"{extra}: entry {index} needs 'step' and 'accuracy', got {entry!r}")
         logged = {h["step"] for h in history if EVAL_KEY in h}  # the callback's own entries win
-        history = history + [{"step": e["step"], EVAL_KEY: e["accuracy"]} for e in evaluations
-                             if e["step"] not in logged]
+        history = history + [
+            {"step": e["step"], EVAL_KEY: e["accuracy"]} for e in evaluations if e["step"] not in logged
+        ]
     return history
 
 
@@ -137,7 +147,7 @@ def plot_runs(run_dirs: list[str], out_dir: str, labels: list[str] | None = None
         fig, ax = plt.subplots(figsize=(6, 4))
         drawn = 0
         for label in dict.fromkeys(labels):  # first-seen order
-            group = [h for h, l in zip(histories, labels) if l == label]
+            group = [history for history, own in zip(histories, labels) if own == label]
             for key in keys:
                 curves = [c for c in (series(h, key, x_axis) for h in group) if c[0]]
                 if not curves:
@@ -145,10 +155,11 @@ def plot_runs(run_dirs: list[str], out_dir: str, labels: list[str] | None = None
                 xs, mean, std = mean_band(curves, x_axis)
                 suffix = f" ({key.rsplit('/', 1)[-1]})" if len(keys) > 1 else ""
                 seeds = f", {len(curves)} runs" if len(curves) > 1 else ""
-                line, = ax.plot(xs, mean, marker="." if len(xs) < 50 else None, label=label + suffix + seeds)
+                (line,) = ax.plot(xs, mean, marker="." if len(xs) < 50 else None, label=label + suffix + seeds)
                 if len(curves) > 1:
-                    ax.fill_between(xs, *clipped_band(mean, std, RANGES.get(key)), color=line.get_color(), alpha=0.2,
-                                    linewidth=0)
+                    ax.fill_between(
+                        xs, *clipped_band(mean, std, RANGES.get(key)), color=line.get_color(), alpha=0.2, linewidth=0
+                    )
                 drawn += 1
         if not drawn:
             ax.text(0.5, 0.5, "not in these logs", ha="center", va="center", transform=ax.transAxes)
@@ -166,8 +177,9 @@ def plot_runs(run_dirs: list[str], out_dir: str, labels: list[str] | None = None
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m trl_a3po.plot", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m trl_a3po.plot", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("runs", nargs="+", help="run folders (or trainer_state.json files)")
     parser.add_argument("--out", required=True, help="folder for the PNGs")
     parser.add_argument("--labels", nargs="+", help="one label per run (default: the run's method)")

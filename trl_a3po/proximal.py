@@ -20,6 +20,7 @@ from collections.abc import Callable
 
 import torch
 
+
 PROX_APPROXIMATIONS = ("loglinear", "linear", "rollout")
 BEHAV_WEIGHT_MODES = ("mask", "truncate")
 BEHAV_WEIGHT_LEVELS = ("token", "sequence")
@@ -40,8 +41,10 @@ def staleness_alpha(staleness: torch.Tensor, dtype: torch.dtype = torch.float32)
     if torch.is_floating_point(staleness):
         raise TypeError("staleness counts policy versions and must be an integer tensor")
     if (staleness < 0).any():
-        raise ValueError(f"staleness must be >= 0 (the behaviour policy cannot be newer than the trainer); got "
-                         f"min {int(staleness.min())}")
+        raise ValueError(
+            f"staleness must be >= 0 (the behaviour policy cannot be newer than the trainer); got "
+            f"min {int(staleness.min())}"
+        )
     return 1.0 / staleness.clamp(min=1).to(dtype)
 
 
@@ -164,15 +167,22 @@ def decoupled_ppo_loss(
     if loss_type not in LOSS_TYPES:
         raise ValueError(f"unknown loss_type {loss_type!r}; expected one of {LOSS_TYPES}")
     if importance_sampling_level not in IMPORTANCE_SAMPLING_LEVELS:
-        raise ValueError(f"importance_sampling_level={importance_sampling_level!r}; expected one of "
-                         f"{IMPORTANCE_SAMPLING_LEVELS}")
+        raise ValueError(
+            f"importance_sampling_level={importance_sampling_level!r}; expected one of {IMPORTANCE_SAMPLING_LEVELS}"
+        )
     if advantages.dim() == 1:
         advantages = advantages.unsqueeze(-1)
     mask = mask.bool()
     prox_logp = prox_logp.detach()
     weight, capped, below_min, dropped = behaviour_weight(
-        prox_logp, behav_logp, mask, behav_imp_weight_cap, behav_imp_weight_mode, behav_imp_weight_min,
-        behav_imp_weight_level)
+        prox_logp,
+        behav_logp,
+        mask,
+        behav_imp_weight_cap,
+        behav_imp_weight_mode,
+        behav_imp_weight_min,
+        behav_imp_weight_level,
+    )
 
     log_ratio = logp - prox_logp
     if importance_sampling_level == "sequence":  # (B, 1): the geometric mean of the sequence's token ratios
@@ -201,8 +211,12 @@ def decoupled_ppo_loss(
             raise ValueError("loss_type 'vespo' needs gamma_weights (e.g. TRL's GRPOTrainer.get_gamma_weights)")
         # Padding must read as ratio 1 (phi sums log-ratios over every position, as TRL's sampler ratio is 1 there).
         sampler_ratio = torch.where(mask, weight, torch.ones_like(weight))
-        phi = gamma_weights(advantages=advantages, log_ratio_per_token=log_ratio, mask=mask.to(logp.dtype),
-                            importance_sampling_ratio=sampler_ratio)
+        phi = gamma_weights(
+            advantages=advantages,
+            log_ratio_per_token=log_ratio,
+            mask=mask.to(logp.dtype),
+            importance_sampling_ratio=sampler_ratio,
+        )
         pg_loss = -phi * advantages * logp
     per_token_loss = pg_loss if loss_type == "vespo" else pg_loss * weight
     if keep is not None:

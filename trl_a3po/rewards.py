@@ -13,6 +13,7 @@ import threading
 
 from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
 
+
 _NUMBER = r"-?\d[\d,]*(?:\.\d+)?"
 _HASHES = re.compile(rf"####\s*\$?\s*({_NUMBER})")
 _ANSWER_IS = re.compile(rf"answer\s+is\s*:?\s*\$?\s*\\?\$?\s*({_NUMBER})", re.IGNORECASE)
@@ -112,5 +113,7 @@ def gsm8k_format_reward(completions, **kwargs) -> list[float]:
 def gsm8k_correct_format_reward(completions, answer, **kwargs) -> list[float]:
     """1.0 when the completion's final answer is in \\boxed{...} *and* correct, else 0.0: a format bonus that cannot
     be collected without solving the problem (the unconditional one taught small models to box wrong answers)."""
-    return [1.0 if _last_boxed(completion_text(c)) is not None and _is_correct(c, reference) else 0.0
-            for c, reference in zip(completions, answer, strict=True)]
+    return [
+        1.0 if _last_boxed(completion_text(c)) is not None and _is_correct(c, reference) else 0.0
+        for c, reference in zip(completions, answer, strict=True)
+    ]

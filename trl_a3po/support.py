@@ -60,8 +60,10 @@ def _check_supported_async(args: A3POConfig, given: dict, images: set) -> None:
 
         reason = adapter_unservable_reason(peft_config if isinstance(peft_config, dict) else {"default": peft_config})
         if reason:
-            raise ValueError(f"lora_weight_sync='adapter' cannot serve {reason}; set lora_weight_sync='auto' (merged "
-                             "weights for such a policy) or 'merged'.")
+            raise ValueError(
+                f"lora_weight_sync='adapter' cannot serve {reason}; set lora_weight_sync='auto' (merged "
+                "weights for such a policy) or 'merged'."
+            )
     unservable = _adapter_the_generator_cannot_run(peft_config)
     if unservable:
         raise ValueError(
@@ -74,8 +76,11 @@ def _check_supported_async(args: A3POConfig, given: dict, images: set) -> None:
 def _check_train_dataset(config: A3POConfig, dataset) -> None:
     """Rows without a usable prompt, and a dataset too small for one generation batch, named before any model work
     (TRL would fail inside the tokenizer naming no row, or train nothing and say nothing)."""
-    if dataset is None or not hasattr(dataset, "__len__") or "prompt" not in (getattr(dataset, "column_names", None)
-                                                                             or []):
+    if (
+        dataset is None
+        or not hasattr(dataset, "__len__")
+        or "prompt" not in (getattr(dataset, "column_names", None) or [])
+    ):
         return  # streamed datasets (no length to check) and custom collations: TRL's business
     needed = config.generation_batch_size // config.num_generations  # distinct prompts in one generation batch
     if len(dataset) < needed:
@@ -89,8 +94,11 @@ def _check_train_dataset(config: A3POConfig, dataset) -> None:
         if isinstance(prompt, str):
             usable = bool(prompt.strip())
         else:  # conversational: a non-empty list of {"role", "content"} messages
-            usable = isinstance(prompt, list) and bool(prompt) and all(
-                isinstance(m, dict) and "role" in m and "content" in m for m in prompt)
+            usable = (
+                isinstance(prompt, list)
+                and bool(prompt)
+                and all(isinstance(m, dict) and "role" in m and "content" in m for m in prompt)
+            )
         if not usable:
             raise ValueError(
                 f"train_dataset row {row}: its 'prompt' is {str(prompt)[:100]!r}, not usable as a prompt (a non-empty "

@@ -55,6 +55,7 @@ from .rollout.policy_weights import PEFT_ON_SHARDS
 from .support import check_supported
 from .timing import ProxTimer
 
+
 if TYPE_CHECKING:  # the signature's types, as GRPOTrainer's
     from datasets import Dataset, DatasetDict, IterableDataset, IterableDatasetDict
     from peft import PeftConfig, PeftModel
@@ -102,7 +103,7 @@ class A3POTrainer(GRPOTrainer):
                 author       = {Xiaocan Li and Shiliang Wu and Zheng Shen},
                 year         = 2025,
                 eprint       = {arXiv:2512.06547},
-            }"""),
+            }"""),  # noqa: E501 (the BibTeX title is one line)
     }
 
     def __init__(
@@ -126,18 +127,35 @@ class A3POTrainer(GRPOTrainer):
             # As GRPOTrainer does (a config named after the model), with the precision this machine supports:
             # TrainingArguments' bf16 default fails on a machine without a bf16-capable GPU.
             model_name = model if isinstance(model, str) else get_config_model_id(model.config)
-            args = A3POConfig(f"{model_name.split('/')[-1]}-A3PO",
-                              bf16=torch.cuda.is_available() and torch.cuda.is_bf16_supported())
+            args = A3POConfig(
+                f"{model_name.split('/')[-1]}-A3PO", bf16=torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+            )
         if not isinstance(args, A3POConfig):
             raise TypeError(f"A3POTrainer needs an A3POConfig as `args`, got {type(args).__name__}.")
-        given = dict(model=model, train_dataset=train_dataset, peft_config=peft_config, tools=tools,
-                     rollout_func=rollout_func, environment_factory=environment_factory)
+        given = dict(
+            model=model,
+            train_dataset=train_dataset,
+            peft_config=peft_config,
+            tools=tools,
+            rollout_func=rollout_func,
+            environment_factory=environment_factory,
+        )
         check_supported(args, given)  # before any model work
         super().__init__(
-            model, reward_funcs, args=args, train_dataset=train_dataset, eval_dataset=eval_dataset,
-            processing_class=processing_class, reward_processing_classes=reward_processing_classes,
-            callbacks=callbacks, optimizers=optimizers, quantization_config=quantization_config,
-            peft_config=peft_config, tools=tools, rollout_func=rollout_func, environment_factory=environment_factory,
+            model,
+            reward_funcs,
+            args=args,
+            train_dataset=train_dataset,
+            eval_dataset=eval_dataset,
+            processing_class=processing_class,
+            reward_processing_classes=reward_processing_classes,
+            callbacks=callbacks,
+            optimizers=optimizers,
+            quantization_config=quantization_config,
+            peft_config=peft_config,
+            tools=tools,
+            rollout_func=rollout_func,
+            environment_factory=environment_factory,
         )
         if self.args.sampling_temperature is not None:
             # The generators sample at their own temperature (in-process: this config; a vLLM server: its request);
@@ -154,7 +172,9 @@ class A3POTrainer(GRPOTrainer):
         self._deferred_metrics: list[tuple[str, str, torch.Tensor]] = []  # read once per optimizer step
         if self.args.async_generation:
             # The authoritative check, now that Accelerate knows the distributed setup (the early one reads env vars).
-            if (self._dist.is_zero3 or self._dist.is_fsdp) and is_peft_model(self.accelerator.unwrap_model(self.model)):
+            if (self._dist.is_zero3 or self._dist.is_fsdp) and is_peft_model(
+                self.accelerator.unwrap_model(self.model)
+            ):
                 raise ValueError(PEFT_ON_SHARDS)
             self.add_callback(_ResumeAlignmentCallback(self))
 
@@ -189,8 +209,9 @@ class A3POTrainer(GRPOTrainer):
             try:
                 self._close_rollout()
             except Exception as close_error:
-                warnings.warn(f"closing the generation queue also failed: {close_error!r}", RuntimeWarning,
-                              stacklevel=2)
+                warnings.warn(
+                    f"closing the generation queue also failed: {close_error!r}", RuntimeWarning, stacklevel=2
+                )
             raise
         self._close_rollout()
         return result
@@ -221,9 +242,11 @@ class A3POTrainer(GRPOTrainer):
         index = self._step // self._micro_steps_per_generation
         version = self.policy_version
         if index != version:
-            raise RuntimeError(f"generation batch {index} would be trained by policy version {version}; the trainer's "
-                               "micro-step and optimizer-step counters disagree (a resume that changed the batch "
-                               "layout?)")
+            raise RuntimeError(
+                f"generation batch {index} would be trained by policy version {version}; the trainer's "
+                "micro-step and optimizer-step counters disagree (a resume that changed the batch "
+                "layout?)"
+            )
         share = self._rollout.take(index, version, prompt_ids)
         self._scoring.behavior_versions = share.versions
         for key, value in share.stats.items():
@@ -276,8 +299,10 @@ class A3POTrainer(GRPOTrainer):
 
     def _generate_and_score_completions(self, inputs):
         decoupled = self.args.use_decoupled_loss  # GRPOTrainer's own loss reads the "old" log-probs
-        scoring = self._scoring = _Scoring(skip_old_logp_forward=decoupled and (
-            self.args.gradient_accumulation_steps % self._micro_steps_per_generation != 0))
+        scoring = self._scoring = _Scoring(
+            skip_old_logp_forward=decoupled
+            and (self.args.gradient_accumulation_steps % self._micro_steps_per_generation != 0)
+        )
         try:
             output = super()._generate_and_score_completions(inputs)
         finally:
@@ -304,10 +329,16 @@ class A3POTrainer(GRPOTrainer):
         if scoring.behavior_versions is not None:  # generated ahead by the producer
             # Padding positions take their row's last version: masked everywhere, and never a negative staleness.
             rows = [torch.tensor(versions, dtype=torch.long) for versions in scoring.behavior_versions]
-            behavior_version = torch.stack([
-                torch.nn.functional.pad(row, (0, behav.size(1) - row.numel()),
-                                        value=int(row[-1]) if row.numel() else self.policy_version) for row in rows
-            ]).to(behav.device)
+            behavior_version = torch.stack(
+                [
+                    torch.nn.functional.pad(
+                        row,
+                        (0, behav.size(1) - row.numel()),
+                        value=int(row[-1]) if row.numel() else self.policy_version,
+                    )
+                    for row in rows
+                ]
+            ).to(behav.device)
         else:  # generated just now, by the current weights
             behavior_version = torch.full(behav.shape, self.policy_version, dtype=torch.long, device=behav.device)
         output["behavior_version"] = behavior_version
@@ -339,8 +370,11 @@ class A3POTrainer(GRPOTrainer):
     def _compute_loss(self, model, inputs):
         if self._rollout is not None:
             self._rollout.raise_if_failed()  # a producer failure surfaces within one step, with its traceback
-        loss = (self._decoupled_loss(model, inputs) if self.args.use_decoupled_loss
-                else super()._compute_loss(model, inputs))
+        loss = (
+            self._decoupled_loss(model, inputs)
+            if self.args.use_decoupled_loss
+            else super()._compute_loss(model, inputs)
+        )
         if self.model.training and self.accelerator.sync_gradients:
             # One value per optimizer step, coupled or decoupled: the reward vs wall-clock figure's x axis.
             self._metrics["train"]["a3po/wall_time_s"].append(time.perf_counter() - self._train_start)
@@ -386,8 +420,13 @@ class A3POTrainer(GRPOTrainer):
         accumulation = self.current_gradient_accumulation_steps if mode == "train" else 1.0
         loss = self._aggregate(per_token_loss, mask, inputs, mode, accumulation)
         if self._entropy_bonus_enabled:
-            self._defer_metric(mode, "policy_loss", self.accelerator.gather(
-                loss.detach() * (1.0 if self.loss_type in NUM_ITEMS_LOSS_TYPES else accumulation)).nanmean())
+            self._defer_metric(
+                mode,
+                "policy_loss",
+                self.accelerator.gather(
+                    loss.detach() * (1.0 if self.loss_type in NUM_ITEMS_LOSS_TYPES else accumulation)
+                ).nanmean(),
+            )
             effective_mask = mask if entropy_mask is None else mask * entropy_mask
             loss = loss - self._entropy_bonus(entropies, effective_mask, mode, accumulation)
         if self.aux_loss_enabled:
@@ -403,8 +442,12 @@ class A3POTrainer(GRPOTrainer):
         gamma_weights = None
         if self.loss_type == "vespo":
             gamma_weights = functools.partial(
-                self.get_gamma_weights, k_pos=self.args.vespo_k_pos, lambda_pos=self.args.vespo_lambda_pos,
-                k_neg=self.args.vespo_k_neg, lambda_neg=self.args.vespo_lambda_neg)
+                self.get_gamma_weights,
+                k_pos=self.args.vespo_k_pos,
+                lambda_pos=self.args.vespo_lambda_pos,
+                k_neg=self.args.vespo_k_neg,
+                lambda_neg=self.args.vespo_lambda_neg,
+            )
         return dict(
             epsilon_low=self.epsilon_low,
             epsilon_high=self.epsilon_high,
@@ -424,8 +467,11 @@ class A3POTrainer(GRPOTrainer):
         """TRL's two masks, from TRL's own helpers: the high-entropy token mask, and the off-policy sequence mask from
         the sampler's log-probs (the behaviour log-probs are the sampler's). Returns (entropy mask, both together);
         None where none applies."""
-        entropy_mask = (self.get_high_entropy_mask(entropies, mask, 1 - self.top_entropy_quantile)
-                        if self.top_entropy_quantile < 1.0 else None)
+        entropy_mask = (
+            self.get_high_entropy_mask(entropies, mask, 1 - self.top_entropy_quantile)
+            if self.top_entropy_quantile < 1.0
+            else None
+        )
         keep = entropy_mask
         if self.off_policy_mask_threshold is not None:
             off_policy_mask = self.get_off_policy_mask(
@@ -472,8 +518,9 @@ class A3POTrainer(GRPOTrainer):
             coef = self.entropy_coef
         if self.use_adaptive_entropy and mode == "train":
             window = torch.stack([(entropies * effective_mask).sum(), effective_mask.sum()]).detach()
-            self._entropy_window_stats = window if self._entropy_window_stats is None else (
-                self._entropy_window_stats + window)
+            self._entropy_window_stats = (
+                window if self._entropy_window_stats is None else (self._entropy_window_stats + window)
+            )
             if self.accelerator.sync_gradients:  # the window's global mean entropy moves the next step's coefficient
                 totals = self.accelerator.reduce(self._entropy_window_stats, reduction="sum")
                 world_entropy = (totals[0] / totals[1].clamp(min=1.0)).item()
@@ -529,8 +576,10 @@ class A3POTrainer(GRPOTrainer):
                 defer(f"a3po/staleness/frac_d{d}", share)
             defer("a3po/gen/mixed_version_frac", total["mixed"] / seqs)
         defer("a3po/alpha/mean", total["alpha_sum"] / tokens)
-        defer("a3po/behav_imp_weight/mean", total["behav_imp_weight_sum"] / total["behav_imp_weight_count"].clamp(
-            min=1.0))
+        defer(
+            "a3po/behav_imp_weight/mean",
+            total["behav_imp_weight_sum"] / total["behav_imp_weight_count"].clamp(min=1.0),
+        )
         defer("a3po/behav_imp_weight/min", nanmin(extremes[:, 0]))
         defer("a3po/behav_imp_weight/max", nanmax(maxima[:, 0]))
         # Shares of tokens and of sequences whose behaviour weight was outside the bounds (masked or truncated, as
@@ -575,12 +624,14 @@ class A3POTrainer(GRPOTrainer):
         oldest = staleness.masked_fill(~in_mask, -1).max(-1).values
         mixed = ((newest != oldest) & in_mask.any(-1)).sum().float()
         counts = {key: value for key, value in stats.items() if not key.endswith(("_min", "_max"))}
-        counts.update(staleness_sum=(staleness * in_mask).sum().float(), alpha_sum=(alpha * in_mask).sum(),
-                      mixed=mixed)
+        counts.update(
+            staleness_sum=(staleness * in_mask).sum().float(), alpha_sum=(alpha * in_mask).sum(), mixed=mixed
+        )
         names = sorted(counts)
-        reduced = self.accelerator.reduce(torch.cat([torch.stack([counts[name] for name in names]), tokens_at]),
-                                          reduction="sum")
-        return dict(zip(names, reduced[: len(names)])), reduced[len(names):]
+        reduced = self.accelerator.reduce(
+            torch.cat([torch.stack([counts[name] for name in names]), tokens_at]), reduction="sum"
+        )
+        return dict(zip(names, reduced[: len(names)])), reduced[len(names) :]
 
     def _log_prox_approximation_errors(self, metrics, staleness, mask, logp, behav_logp, prox_logp):
         """Error of each approximation against the recomputed proximal log-probs, over tokens, overall and per token
@@ -596,8 +647,11 @@ class A3POTrainer(GRPOTrainer):
             rel_err = abs_err / prox_logp.abs().clamp(min=1e-8)
             # (abs, rel, tokens) summed per staleness bucket on this process, then over processes.
             per_bucket = torch.zeros(buckets, 3, dtype=torch.float64, device=mask.device)
-            per_bucket.index_add_(0, staleness.clamp(max=buckets - 1).flatten(), torch.stack(
-                [abs_err.flatten(), rel_err.flatten(), mask.flatten()], dim=-1).double())
+            per_bucket.index_add_(
+                0,
+                staleness.clamp(max=buckets - 1).flatten(),
+                torch.stack([abs_err.flatten(), rel_err.flatten(), mask.flatten()], dim=-1).double(),
+            )
             per_bucket = self.accelerator.reduce(per_bucket, reduction="sum")
             total = per_bucket.sum(0)
             count = total[2].clamp(min=1.0)

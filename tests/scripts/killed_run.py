@@ -14,13 +14,16 @@ import signal
 import sys
 from pathlib import Path
 
+
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests/ for conftest helpers
 
-from conftest import COMMON, digit_reward, make_model, make_tokenizer  # noqa: E402
 from datasets import Dataset  # noqa: E402
 from transformers import TrainerCallback  # noqa: E402
 
 from trl_a3po import A3POConfig, A3POTrainer  # noqa: E402
+
+from conftest import COMMON, digit_reward, make_model, make_tokenizer  # noqa: E402
+
 
 out_dir, mode = Path(sys.argv[1]), sys.argv[2]
 record = open(out_dir / f"{mode}.jsonl", "a")
@@ -35,10 +38,18 @@ class KillAtStep5(TrainerCallback):
 tokenizer = make_tokenizer()
 dataset = Dataset.from_dict({"prompt": [f"Question {i}: what is {i} plus {i + 1}?" for i in range(24)]})
 run_dir = out_dir / ("full" if mode == "full" else "killed")
-args = A3POConfig(output_dir=str(run_dir), **{**COMMON, "steps_per_generation": 3, "max_steps": 9,
-                                               "save_strategy": "steps", "save_steps": 2})
-trainer = A3POTrainer(model=make_model(tokenizer), reward_funcs=digit_reward, args=args, train_dataset=dataset,
-                      processing_class=tokenizer, callbacks=[KillAtStep5()] if mode == "killed" else None)
+args = A3POConfig(
+    output_dir=str(run_dir),
+    **{**COMMON, "steps_per_generation": 3, "max_steps": 9, "save_strategy": "steps", "save_steps": 2},
+)
+trainer = A3POTrainer(
+    model=make_model(tokenizer),
+    reward_funcs=digit_reward,
+    args=args,
+    train_dataset=dataset,
+    processing_class=tokenizer,
+    callbacks=[KillAtStep5()] if mode == "killed" else None,
+)
 original = trainer._compute_loss
 
 

@@ -24,23 +24,26 @@ import sys
 import time
 from pathlib import Path
 
+
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests/ for conftest helpers
 
 import torch  # noqa: E402
 from datasets import Dataset  # noqa: E402
+
+from trl_a3po import A3POConfig, A3POTrainer  # noqa: E402
+from trl_a3po.rollout import GenerationQueue  # noqa: E402
+
 from conftest import (  # noqa: E402
-    digit_reward,
-    make_model,
-    make_tokenizer,
     NEWER_VERSION_DUE,
     VersionRecorder,
     check_behaviour_logprobs_against_versions,
+    digit_reward,
+    make_model,
+    make_tokenizer,
     record_trained_samples,
     wait_for_the_next_version,
 )
 
-from trl_a3po import A3POConfig, A3POTrainer  # noqa: E402
-from trl_a3po.rollout import GenerationQueue  # noqa: E402
 
 out_dir, run_name = Path(sys.argv[1]), sys.argv[2]
 mode = run_name.removesuffix("-iterable")  # `*-iterable`: the same run on the dataset streamed (IterableDataset)
@@ -62,8 +65,13 @@ class RecordingClient:
     """Stands in for trl.generation.vllm_client.VLLMClient: records the calls NCCLTransport makes, and the names of
     the tensors each packed update carries."""
 
-    calls = {"init_communicator": 0, "weight_updates": 0, "update_named_params": 0, "reset_prefix_cache": 0,
-             "close_communicator": 0}
+    calls = {
+        "init_communicator": 0,
+        "weight_updates": 0,
+        "update_named_params": 0,
+        "reset_prefix_cache": 0,
+        "close_communicator": 0,
+    }
     group_ports, updates = [], []
 
     def __init__(self, base_url, group_port, connection_timeout):
@@ -94,8 +102,13 @@ dataset = Dataset.from_dict({"prompt": [f"Question {i}: what is {i} plus {i + 1}
 server = {}
 zero3 = mode.endswith("zero3")  # launched with DeepSpeed ZeRO-3 (tests/scripts/deepspeed_cpu.json)
 if mode.startswith("standin"):  # a stand-in server (tests/standin_server.py) set up to fail; the run must fail
-    server = dict(rollout_backend="vllm_server", vllm_server_port=int(sys.argv[3]), weight_sync_transport="disk",
-                  weight_sync_dir=str(out_dir / "weight_sync"), vllm_server_timeout=3.0)
+    server = dict(
+        rollout_backend="vllm_server",
+        vllm_server_port=int(sys.argv[3]),
+        weight_sync_transport="disk",
+        weight_sync_dir=str(out_dir / "weight_sync"),
+        vllm_server_timeout=3.0,
+    )
     model = make_model(make_tokenizer())
     if mode == "standin-stagefail":  # the main process fails while staging a version (its main thread)
         from trl_a3po.rollout.vllm_server import VLLMServerBackend
@@ -109,10 +122,13 @@ elif mode.startswith("vllm"):
 
     port, model_dir = int(sys.argv[3]), sys.argv[4]
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    server = dict(rollout_backend="vllm_server", vllm_server_port=port,
-                  weight_sync_transport="nccl" if mode == "vllm-nccl-standin" else "disk",
-                  weight_sync_dir=str(out_dir / "weight_sync"),
-                  lora_weight_sync="adapter" if mode == "vllm-lora-adapter" else "merged")
+    server = dict(
+        rollout_backend="vllm_server",
+        vllm_server_port=port,
+        weight_sync_transport="nccl" if mode == "vllm-nccl-standin" else "disk",
+        weight_sync_dir=str(out_dir / "weight_sync"),
+        lora_weight_sync="adapter" if mode == "vllm-lora-adapter" else "merged",
+    )
     if mode == "vllm-nccl-standin":
         import trl.generation.vllm_client
 
@@ -127,10 +143,24 @@ else:
 if run_name.endswith("-iterable"):
     dataset = dataset.to_iterable_dataset(num_shards=2)  # as many shards as processes: Accelerate shards by them
 args = A3POConfig(
-    output_dir=str(out_dir / mode), per_device_train_batch_size=2, num_generations=4, max_completion_length=6,
-    steps_per_generation=2, max_steps=8, logging_steps=1, report_to="none", use_cpu=not zero3, save_strategy="no",
-    seed=0, bf16=False, learning_rate=1e-2, async_generation=(mode != "sync"), max_staleness=2, **server,
-    inflight_weight_updates=inflight, continuous_generation="continuous" in mode,
+    output_dir=str(out_dir / mode),
+    per_device_train_batch_size=2,
+    num_generations=4,
+    max_completion_length=6,
+    steps_per_generation=2,
+    max_steps=8,
+    logging_steps=1,
+    report_to="none",
+    use_cpu=not zero3,
+    save_strategy="no",
+    seed=0,
+    bf16=False,
+    learning_rate=1e-2,
+    async_generation=(mode != "sync"),
+    max_staleness=2,
+    **server,
+    inflight_weight_updates=inflight,
+    continuous_generation="continuous" in mode,
     # DeepSpeed on CPU: `use_cpu` would bypass it; gloo instead of NCCL; fp32
     **({"ddp_backend": "gloo"} if zero3 else {}),
 )
@@ -139,8 +169,14 @@ if mode.startswith("vllm-lora"):  # the server receives the merged weights (W + 
     from peft import LoraConfig
 
     peft_config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
-trainer = A3POTrainer(model=model, reward_funcs=recorded_reward, args=args, train_dataset=dataset,
-                      processing_class=tokenizer, peft_config=peft_config)
+trainer = A3POTrainer(
+    model=model,
+    reward_funcs=recorded_reward,
+    args=args,
+    train_dataset=dataset,
+    processing_class=tokenizer,
+    peft_config=peft_config,
+)
 versions = VersionRecorder(trainer)
 trainer.add_callback(versions)
 samples = record_trained_samples(trainer)
@@ -148,24 +184,35 @@ trainer.train()
 rank = trainer.accelerator.process_index
 checked = 0
 if mode != "vllm-nccl-standin":  # the stand-in pushes nothing: the server keeps its first weights
-    checked = check_behaviour_logprobs_against_versions(trainer, versions, samples,
-                                                        atol=1e-3 if mode.startswith("vllm") else 1e-5)
+    checked = check_behaviour_logprobs_against_versions(
+        trainer, versions, samples, atol=1e-3 if mode.startswith("vllm") else 1e-5
+    )
 # Under ZeRO-3 each process holds only its partition of every parameter (outside a gather).
 params = list(trainer.model_wrapped.parameters()) if zero3 else []
 held = sum(p.ds_tensor.numel() for p in params if hasattr(p, "ds_tensor"))
 partitioned_fraction = held / max(sum(p.ds_numel for p in params if hasattr(p, "ds_numel")), 1)
 staleness = [h["a3po/staleness/max"] for h in trainer.state.log_history if "a3po/staleness/max" in h]
 (out_dir / f"{run_name}-rank{rank}.json").write_text(
-    json.dumps({
-        "prompts": seen, "staleness_max": staleness, "eta": args.max_staleness,
-        "world": trainer.accelerator.num_processes, "checked": checked,
-        "behaviour_versions": sorted({int(v) for s in samples for v in s["behavior_version"].unique()}),
-        "mixed": sum(len(s["behavior_version"][row][s["completion_mask"][row].bool()].unique()) > 1
-                     for s in samples for row in range(len(s["behavior_version"]))),
-        "client_calls": RecordingClient.calls, "partitioned_fraction": partitioned_fraction,
-        "client_updates": RecordingClient.updates, "group_ports": RecordingClient.group_ports,
-        "parameter_names": sorted(name for name, _ in trainer.model.named_parameters()),
-    })
+    json.dumps(
+        {
+            "prompts": seen,
+            "staleness_max": staleness,
+            "eta": args.max_staleness,
+            "world": trainer.accelerator.num_processes,
+            "checked": checked,
+            "behaviour_versions": sorted({int(v) for s in samples for v in s["behavior_version"].unique()}),
+            "mixed": sum(
+                len(s["behavior_version"][row][s["completion_mask"][row].bool()].unique()) > 1
+                for s in samples
+                for row in range(len(s["behavior_version"]))
+            ),
+            "client_calls": RecordingClient.calls,
+            "partitioned_fraction": partitioned_fraction,
+            "client_updates": RecordingClient.updates,
+            "group_ports": RecordingClient.group_ports,
+            "parameter_names": sorted(name for name, _ in trainer.model.named_parameters()),
+        }
+    )
 )
 # A clean exit: every rank done, then the process group torn down (gloo's threads otherwise race interpreter
 # shutdown, which was seen to abort one rank with "terminate called without an active exception").

@@ -11,6 +11,7 @@ from .queue import (
     StalenessBound,
 )
 
+
 __all__ = [
     "ContinuousGenerationQueue",
     "GeneratedBatch",

@@ -7,7 +7,8 @@ hand-out of every process's share and the prompt check. It runs on the trainer's
 no lock; the queue's threads are the producer side (`queue.py`, `continuous.py`).
 
 Where a batch's versions come from: `take(k)` publishes version k (the live weights), submits every batch the bound
-admits, and returns batch k as the producer generated it, each completion token tagged with the version that sampled it.
+admits, and returns batch k as the producer generated it, each completion token tagged with the version that sampled
+it.
 """
 
 from __future__ import annotations
@@ -68,7 +69,7 @@ class AsyncRollout:
     # ------------------------------------------------------------------ lifetime
 
     def start(self, first_index: int) -> None:
-        """Build the backend and the queue (producer processes), start the producer, plan prompts from `first_index`."""
+        """Build the backend and the queue (on producer processes), start the producer, plan from `first_index` on."""
         trainer = self.trainer
         self.bound = StalenessBound(self.args.max_staleness)
         self.submitted = first_index
@@ -87,13 +88,17 @@ class AsyncRollout:
         else:
             from .vllm_server import VLLMServerBackend
 
-            backend = VLLMServerBackend.from_config(self.args, list(trainer.eos_token_ids),
-                                                    peft_configs=model.peft_config if is_peft_model(model) else None)
+            backend = VLLMServerBackend.from_config(
+                self.args,
+                list(trainer.eos_token_ids),
+                peft_configs=model.peft_config if is_peft_model(model) else None,
+            )
             self.sends_adapter = backend.sync_mode == "adapter"
             served = list(range(self.accelerator.num_processes))
         queue_class = ContinuousGenerationQueue if self.args.continuous_generation else GenerationQueue
-        self.queue = queue_class(backend, sync_every=self.args.weight_sync_steps,
-                                 inflight_weight_updates=self.args.inflight_weight_updates)
+        self.queue = queue_class(
+            backend, sync_every=self.args.weight_sync_steps, inflight_weight_updates=self.args.inflight_weight_updates
+        )
         self.queue.start()
         self.plans = [self._generation_batches(first_index, p) for p in served]
 
@@ -157,8 +162,9 @@ class AsyncRollout:
         while self.submitted <= min(self.bound.last_submittable(version), last_batch):
             planned = [next(plan) for plan in self.plans]  # (index, rows) per served process
             planned_index = planned[0][0]
-            prompt_ids = [ids for _, rows in planned
-                          for ids in self.trainer._tokenize_prompts([r["prompt"] for r in rows])[0]]
+            prompt_ids = [
+                ids for _, rows in planned for ids in self.trainer._tokenize_prompts([r["prompt"] for r in rows])[0]
+            ]
             self.queue.submit(planned_index, prompt_ids, self.bound.min_version(planned_index))
             self.submitted = planned_index + 1
         result = self.queue.get(index)
@@ -171,16 +177,21 @@ class AsyncRollout:
         }
         size = len(result.prompt_ids) // len(self.plans)  # every process's share has the same size
         shares = [
-            GeneratedShare(result.prompt_ids[i : i + size], batch.completion_ids[i : i + size],
-                           batch.logprobs[i : i + size], batch.versions[i : i + size], dict(stats))
+            GeneratedShare(
+                result.prompt_ids[i : i + size],
+                batch.completion_ids[i : i + size],
+                batch.logprobs[i : i + size],
+                batch.versions[i : i + size],
+                dict(stats),
+            )
             for i in range(0, len(result.prompt_ids), size)
         ]
         return shares if self.serves_other_processes else shares[0]
 
     @contextlib.contextmanager
     def _generator_tensors(self):
-        """What the generator loads for a version, as (name, tensor) pairs: the LoRA adapter's own tensors (PEFT's saved
-        form) when it is sent to the server as an adapter, else the whole merged weights."""
+        """What the generator loads for a version, as (name, tensor) pairs: the LoRA adapter's own tensors (PEFT's
+        saved form) when it is sent to the server as an adapter, else the whole merged weights."""
         if self.sends_adapter:
             from peft import get_peft_model_state_dict
 
@@ -203,8 +214,11 @@ class AsyncRollout:
             return
         repeats = trainer._micro_steps_per_generation
         batches = BatchSamplerShard(
-            BatchSampler(trainer._get_train_sampler(), trainer._train_batch_size * self.args.steps_per_generation,
-                         drop_last=self.args.dataloader_drop_last),
+            BatchSampler(
+                trainer._get_train_sampler(),
+                trainer._train_batch_size * self.args.steps_per_generation,
+                drop_last=self.args.dataloader_drop_last,
+            ),
             num_processes=self.accelerator.num_processes,
             process_index=process_index,
             split_batches=False,
@@ -237,13 +251,17 @@ class AsyncRollout:
         dataset = trainer.train_dataset
         if trainer.shuffle_dataset:
             dataset = dataset.shuffle(seed=self.args.seed)
-        dataset = repeat_iterable_dataset(dataset, mini_repeat_count=trainer.num_generations,
-                                          batch_size=self.args.generation_batch_size // trainer.num_generations,
-                                          repeat_count=repeats)
+        dataset = repeat_iterable_dataset(
+            dataset,
+            mini_repeat_count=trainer.num_generations,
+            batch_size=self.args.generation_batch_size // trainer.num_generations,
+            repeat_count=repeats,
+        )
         collate = trainer._get_collator_with_removed_columns(trainer.data_collator, description="Training")
         loader = prepare_data_loader(
-            DataLoader(dataset, batch_size=trainer._train_batch_size * self.args.steps_per_generation,
-                       collate_fn=collate),
+            DataLoader(
+                dataset, batch_size=trainer._train_batch_size * self.args.steps_per_generation, collate_fn=collate
+            ),
             num_processes=self.accelerator.num_processes,
             process_index=process_index,
             split_batches=self.accelerator.split_batches,

@@ -189,8 +189,9 @@ class ContinuousGenerationQueue(GenerationQueue):
         stream.thread.start()
 
     def _hand_over(self, batch: _Batch) -> None:
-        generated = GeneratedBatch(batch.ids, batch.logprobs, batch.versions,
-                                   time.perf_counter() - batch.started - batch.sync_s, batch.sync_s)
+        generated = GeneratedBatch(
+            batch.ids, batch.logprobs, batch.versions, time.perf_counter() - batch.started - batch.sync_s, batch.sync_s
+        )
         self._results.put(GenerationResult(batch.request.index, batch.request.prompt_ids, generated, batch.idle_s))
 
 

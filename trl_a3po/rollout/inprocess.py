@@ -16,7 +16,7 @@ from .staging import NamedTensors, StagedWeights, as_pairs, stage_copy, wait_unt
 
 
 def left_pad(prompt_ids: list[list[int]], pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Left-padded `input_ids` and `attention_mask` (TRL's `pad`): generation continues from every row's last column."""
+    """Left-padded `input_ids` and `attention_mask` (TRL's `pad`): generation continues from each row's last column."""
     rows = [torch.tensor(ids, dtype=torch.long) for ids in prompt_ids]
     input_ids = pad(rows, padding_value=pad_token_id, padding_side="left")
     return input_ids, pad([torch.ones_like(row) for row in rows], padding_value=0, padding_side="left")
@@ -104,8 +104,9 @@ def generate_with_behavior_logprobs(
     return completion_ids, logprobs
 
 
-def _rescore(model: PreTrainedModel, sequences: torch.Tensor, prompt_mask: torch.Tensor,
-             generation_config: GenerationConfig) -> list[torch.Tensor]:
+def _rescore(
+    model: PreTrainedModel, sequences: torch.Tensor, prompt_mask: torch.Tensor, generation_config: GenerationConfig
+) -> list[torch.Tensor]:
     """The processed scores `generate` sampled each completion token from, for a `generate` that returned the
     sequences alone: one forward of the same weights over them (positions as `generate` counts them past the left
     padding), then the logits processors `generate` itself builds from this config (transformers' own
@@ -116,8 +117,7 @@ def _rescore(model: PreTrainedModel, sequences: torch.Tensor, prompt_mask: torch
     logits = model(input_ids=sequences, attention_mask=attention_mask, position_ids=position_ids).logits
     logits = logits[:, width - 1 : -1].float()
     model._prepare_special_tokens(generation_config, kwargs_has_attention_mask=True, device=sequences.device)
-    processors = model._get_logits_processor(generation_config, input_ids_seq_length=width,
-                                             device=sequences.device)
+    processors = model._get_logits_processor(generation_config, input_ids_seq_length=width, device=sequences.device)
     return [processors(sequences[:, : width + t], logits[:, t]) for t in range(logits.size(1))]
 
 
@@ -137,8 +137,13 @@ class InProcessBackend:
 
     serves_concurrent_requests = False  # one `generate` at a time: continuous generation merges batches into one
 
-    def __init__(self, snapshot: PreTrainedModel, generation_config: GenerationConfig, pad_token_id: int,
-                 eos_token_ids: list[int]):
+    def __init__(
+        self,
+        snapshot: PreTrainedModel,
+        generation_config: GenerationConfig,
+        pad_token_id: int,
+        eos_token_ids: list[int],
+    ):
         self.snapshot = snapshot.eval().requires_grad_(False)
         self.generation_config = generation_config
         self.pad_token_id = pad_token_id
@@ -159,8 +164,10 @@ class InProcessBackend:
 
     def stage(self, named_tensors: NamedTensors) -> StagedWeights:
         wanted = set(self._names)
-        staged = stage_copy(((name, tensor) for name, tensor in as_pairs(named_tensors) if name in wanted),
-                            lambda tensor: tensor.to(self._device, copy=True))
+        staged = stage_copy(
+            ((name, tensor) for name, tensor in as_pairs(named_tensors) if name in wanted),
+            lambda tensor: tensor.to(self._device, copy=True),
+        )
         missing = [name for name in self._names if name not in staged.tensors]
         if missing:
             raise KeyError(f"the policy's weights lack {missing[:5]} (of {len(missing)}) for the snapshot")
@@ -179,9 +186,13 @@ class InProcessBackend:
         ids, logprobs, _ = self.generate_until(prompt_ids, stop, None, [0] * len(prompt_ids))
         return ids, logprobs
 
-    def generate_until(self, prompt_ids: list[list[int]], stop: threading.Event,
-                       interrupt: Callable[[], bool] | None, generated: list[int]
-                       ) -> tuple[list[list[int]], list[list[float]], list[bool]]:
+    def generate_until(
+        self,
+        prompt_ids: list[list[int]],
+        stop: threading.Event,
+        interrupt: Callable[[], bool] | None,
+        generated: list[int],
+    ) -> tuple[list[list[int]], list[list[float]], list[bool]]:
         """Generate until done or `interrupt()`. Row r's prompt may end with `generated[r]` tokens
         already sampled (a continuation: after a weight update their keys and values are recomputed by the weights
         loaded now), so its budget is the rest of `max_new_tokens`. Returns the new tokens, their log-probs, and per
@@ -190,10 +201,18 @@ class InProcessBackend:
         with self._on_generator_stream(), torch.no_grad():
             # The results are copied to the CPU at the end, which waits for this stream's work.
             ids, logprobs = generate_with_behavior_logprobs(
-                self.snapshot, prompt_ids, self.generation_config, self.pad_token_id, self.eos_token_ids, stop=stop,
+                self.snapshot,
+                prompt_ids,
+                self.generation_config,
+                self.pad_token_id,
+                self.eos_token_ids,
+                stop=stop,
                 # The snapshot is whole and private: `generate`'s default under ZeRO-3 / FSDP (synced_gpus=True) would
                 # run an all_reduce per token from this thread, colliding with the trainer's collectives.
-                synced_gpus=False, interrupt=interrupt, budgets=budgets)
+                synced_gpus=False,
+                interrupt=interrupt,
+                budgets=budgets,
+            )
         eos = set(self.eos_token_ids)
         unfinished = [len(row) < budget and not (row and row[-1] in eos) for row, budget in zip(ids, budgets)]
         return ids, logprobs, unfinished
@@ -206,8 +225,14 @@ class _StopWhen(StoppingCriteria):
     """Per row: done once it has sampled an EOS or its budget. For all rows at once (at the same token): once `stop` is
     set (training is ending) or `interrupt()` says so (a newer version is due)."""
 
-    def __init__(self, stop: threading.Event | None, interrupt: Callable[[], bool] | None, prompt_width: int,
-                 budgets: list[int], eos_token_ids: list[int]):
+    def __init__(
+        self,
+        stop: threading.Event | None,
+        interrupt: Callable[[], bool] | None,
+        prompt_width: int,
+        budgets: list[int],
+        eos_token_ids: list[int],
+    ):
         self.stop, self.interrupt, self.prompt_width = stop, interrupt, prompt_width
         self.budgets, self.eos, self.done = torch.tensor(budgets), torch.tensor(eos_token_ids), None
 

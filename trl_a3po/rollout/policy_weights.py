@@ -10,6 +10,7 @@ from collections.abc import Iterator
 
 from accelerate.utils import is_peft_model
 
+
 PEFT_ON_SHARDS = (
     "async_generation=True with a PEFT adapter on sharded parameters (FSDP or DeepSpeed ZeRO-3) is not supported (the "
     "merged weights would have to be built from shards); set async_generation=False, or train the adapter with DDP / "

@@ -56,13 +56,15 @@ class RolloutBackend(Protocol):
     def load(self, staged: object) -> float:  # returns the seconds it took
         ...
 
-    def generate(self, prompt_ids: list[list[int]], stop: threading.Event) -> tuple[list[list[int]], list[list[float]]]:
-        ...
+    def generate(
+        self, prompt_ids: list[list[int]], stop: threading.Event
+    ) -> tuple[list[list[int]], list[list[float]]]: ...
 
     # In-flight updates and continuous generation: stop once `interrupt()` says so (between two tokens); row r's
     # prompt ends with `generated[r]` tokens sampled before. Returns ids, log-probs, per row whether unfinished.
-    def generate_until(self, prompt_ids: list[list[int]], stop: threading.Event, interrupt, generated: list[int]
-                       ) -> tuple[list[list[int]], list[list[float]], list[bool]]: ...
+    def generate_until(
+        self, prompt_ids: list[list[int]], stop: threading.Event, interrupt, generated: list[int]
+    ) -> tuple[list[list[int]], list[list[float]], list[bool]]: ...
 
     serves_concurrent_requests: bool  # several `generate_until` calls at once (a server), or one at a time
 
@@ -114,8 +116,13 @@ class GenerationQueue:
     with the version it started with.
     """
 
-    def __init__(self, backend: RolloutBackend, sync_every: int = 1, name: str = "a3po-producer",
-                 inflight_weight_updates: bool = False):
+    def __init__(
+        self,
+        backend: RolloutBackend,
+        sync_every: int = 1,
+        name: str = "a3po-producer",
+        inflight_weight_updates: bool = False,
+    ):
         self._backend = backend
         self._sync_every = sync_every
         self._inflight = inflight_weight_updates
@@ -156,11 +163,15 @@ class GenerationQueue:
     def submit(self, index: int, prompt_ids: list[list[int]], min_version: int) -> None:
         self.raise_if_failed()
         if self._next_submit is not None and index != self._next_submit:
-            raise ValueError(f"generation batches must be submitted in order: expected {self._next_submit}, got {index}")
+            raise ValueError(
+                f"generation batches must be submitted in order: expected {self._next_submit}, got {index}"
+            )
         published = self.published_version
         if published is None or published < min_version:
-            raise ValueError(f"batch {index} needs version >= {min_version}, but the newest published is {published}: "
-                             "publish it before submitting")
+            raise ValueError(
+                f"batch {index} needs version >= {min_version}, but the newest published is {published}: "
+                "publish it before submitting"
+            )
         self._next_submit = index + 1
         self._requests.put(_Request(index, prompt_ids, min_version))
 
@@ -183,7 +194,9 @@ class GenerationQueue:
 
     def raise_if_failed(self) -> None:
         if self._error is not None:
-            raise ProducerError(f"the generation producer failed while {self._doing}: {self._error!r}") from self._error
+            raise ProducerError(
+                f"the generation producer failed while {self._doing}: {self._error!r}"
+            ) from self._error
 
     @property
     def depth(self) -> int:
@@ -200,8 +213,12 @@ class GenerationQueue:
                 # Raising here would hide the error that ended training; the thread is a daemon either way. The
                 # backend stays open: closing it under a producer still inside `load` or `generate` (a server call
                 # that has not returned) would pull its connection or communicator from under it.
-                warnings.warn(f"the generation producer did not stop within {timeout} s (it is {self._doing}); its "
-                              "backend is left open", RuntimeWarning, stacklevel=2)
+                warnings.warn(
+                    f"the generation producer did not stop within {timeout} s (it is {self._doing}); its "
+                    "backend is left open",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
                 return
         self._backend.close()
 
@@ -226,8 +243,9 @@ class GenerationQueue:
                     switch_s = 0.0
                 if self._stop.is_set():
                     return  # abandoned mid-way: training is ending
-                batch = GeneratedBatch(completion_ids, logprobs, versions,
-                                       time.perf_counter() - start - switch_s, sync_s + switch_s)
+                batch = GeneratedBatch(
+                    completion_ids, logprobs, versions, time.perf_counter() - start - switch_s, sync_s + switch_s
+                )
                 self._results.put(GenerationResult(request.index, request.prompt_ids, batch, idle_s))
         except BaseException as error:  # re-raised in the trainer's thread by get() / raise_if_failed()
             self._error = error
@@ -242,8 +260,11 @@ class GenerationQueue:
         while True:
             self._doing = f"generating batch {request.index} with version {self._held_version}"
             new_ids, new_logprobs, unfinished = self._backend.generate_until(
-                [request.prompt_ids[i] + ids[i] for i in active], self._stop, self._newer_version_due,
-                generated=[len(ids[i]) for i in active])
+                [request.prompt_ids[i] + ids[i] for i in active],
+                self._stop,
+                self._newer_version_due,
+                generated=[len(ids[i]) for i in active],
+            )
             if self._stop.is_set():
                 return ids, logprobs, versions, switch_s  # abandoned: the caller discards it
             for row, i in enumerate(active):

@@ -28,8 +28,7 @@ def as_pairs(named_tensors: NamedTensors) -> Iterable[tuple[str, torch.Tensor]]:
     return named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors
 
 
-def stage_copy(named_tensors: NamedTensors,
-               copy: Callable[[torch.Tensor], torch.Tensor]) -> StagedWeights:
+def stage_copy(named_tensors: NamedTensors, copy: Callable[[torch.Tensor], torch.Tensor]) -> StagedWeights:
     """Copy every tensor with `copy` (on the calling thread's current stream) as it comes, and record when the copies
     are done. Taking each tensor as it comes lets the source gather sharded parameters one at a time."""
     with torch.no_grad():

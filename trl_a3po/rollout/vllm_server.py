@@ -30,14 +30,16 @@ import torch
 
 from .staging import NamedTensors, StagedWeights, as_pairs, stage_copy, wait_until_staged
 
+
 logger = logging.getLogger(__name__)
 
 
 # What a server must be started with: the shape of every command in the README and recipes, which the start-up
 # probe checks flag for flag. Dev mode exposes /collective_rpc (any method on the server's workers), so the server
 # binds to loopback unless a trusted interface is named (README "Multi-GPU", several nodes).
-SERVER_COMMAND = ("VLLM_SERVER_DEV_MODE=1 vllm serve MODEL --host 127.0.0.1 --port {port} "
-                  "--logprobs-mode processed_logprobs{extra}")
+SERVER_COMMAND = (
+    "VLLM_SERVER_DEV_MODE=1 vllm serve MODEL --host 127.0.0.1 --port {port} --logprobs-mode processed_logprobs{extra}"
+)
 NCCL_FLAG = """ --weight-transfer-config '{"backend": "nccl"}'"""
 # TRL's VLLMClient picks the wire format of the packed NCCL update from the *trainer's* vLLM: from 0.28 `packed` goes
 # in the init info, before it in each update's; a server of the other side rejects the field it does not know.
@@ -74,11 +76,14 @@ def adapter_unservable_reason(peft_configs: dict) -> str | None:
     if len(peft_configs) != 1:
         return f"{len(peft_configs)} adapters (vLLM serves one LoRA per request)"
     (config,) = peft_configs.values()
-    for field_name, what in (("modules_to_save", "modules_to_save (fully trained modules are not a LoRA)"),
-                             ("rank_pattern", "a per-module rank_pattern"), ("alpha_pattern", "a per-module "
-                             "alpha_pattern"), ("layers_to_transform", "layers_to_transform"),
-                             ("target_parameters", "target_parameters"),
-                             ("trainable_token_indices", "trainable_token_indices")):
+    for field_name, what in (
+        ("modules_to_save", "modules_to_save (fully trained modules are not a LoRA)"),
+        ("rank_pattern", "a per-module rank_pattern"),
+        ("alpha_pattern", "a per-module alpha_pattern"),
+        ("layers_to_transform", "layers_to_transform"),
+        ("target_parameters", "target_parameters"),
+        ("trainable_token_indices", "trainable_token_indices"),
+    ):
         if getattr(config, field_name, None):
             return f"LoRA with {what}, which vLLM's LoRA loader does not take"
     return None
@@ -100,8 +105,15 @@ class VLLMServerBackend:
 
     serves_concurrent_requests = True  # continuous generation streams each batch as a request of its own
 
-    def __init__(self, base_url: str, transport, sampling: dict, timeout_s: float = 240.0,
-                 connect_timeout_s: float = 5.0, lora: dict | None = None):
+    def __init__(
+        self,
+        base_url: str,
+        transport,
+        sampling: dict,
+        timeout_s: float = 240.0,
+        connect_timeout_s: float = 5.0,
+        lora: dict | None = None,
+    ):
         """`lora`: for a PEFT LoRA policy, {"config": its LoraConfig, "sync": "adapter" | "auto", "folder": where the
         server reads adapters}; None sends merged weights."""
         self.base_url = base_url.rstrip("/")
@@ -154,7 +166,8 @@ class VLLMServerBackend:
             "max_tokens": args.max_completion_length,
             # the sampler's own temperature where it has one (A3POConfig.sampling_temperature): the processed
             # log-probs the server returns are then those of the cooled distribution it sampled from
-            "temperature": args.temperature if getattr(args, "sampling_temperature", None) is None
+            "temperature": args.temperature
+            if getattr(args, "sampling_temperature", None) is None
             else args.sampling_temperature,
             "top_p": args.top_p,
             "top_k": args.top_k if args.top_k else -1,
@@ -182,8 +195,9 @@ class VLLMServerBackend:
         return "adapter" if self.lora is not None else "merged"
 
     def server_command(self) -> str:
-        return SERVER_COMMAND.format(port=urlparse(self.base_url).port,
-                                     extra=NCCL_FLAG if self.transport.name == "nccl" else "")
+        return SERVER_COMMAND.format(
+            port=urlparse(self.base_url).port, extra=NCCL_FLAG if self.transport.name == "nccl" else ""
+        )
 
     # -------------------------------------------------------------- HTTP
 
@@ -204,8 +218,10 @@ class VLLMServerBackend:
         except requests.RequestException as error:
             raise self._http_error(doing, error) from error
         if response.status_code != 200:
-            raise VLLMServerError(f"The vLLM server at {self.where} failed while {doing}: {method} {path} answered "
-                                  f"{response.status_code} {response.text[:500]}")
+            raise VLLMServerError(
+                f"The vLLM server at {self.where} failed while {doing}: {method} {path} answered "
+                f"{response.status_code} {response.text[:500]}"
+            )
         if not response.content:  # some routes answer an empty body (vLLM < 0.26)
             return {}
         try:
@@ -223,14 +239,16 @@ class VLLMServerBackend:
                 "(vllm_server_timeout): it is stalled or overloaded. Check its log; raise vllm_server_timeout if a "
                 "single step legitimately takes longer."
             )
-        return VLLMServerError(f"The vLLM server at {self.where} went away while {doing} "
-                               f"({error.__class__.__name__}: {error}).")
+        return VLLMServerError(
+            f"The vLLM server at {self.where} went away while {doing} ({error.__class__.__name__}: {error})."
+        )
 
     def _probe(self) -> None:
         """Check, before any weight is pushed, that the server was started the way this backend needs."""
         try:
-            response = self.session.get(f"{self.base_url}/server_info", params={"config_format": "json"},
-                                        timeout=self.timeout)
+            response = self.session.get(
+                f"{self.base_url}/server_info", params={"config_format": "json"}, timeout=self.timeout
+            )
         except requests.RequestException as error:
             raise self._http_error("probing /server_info", error) from error
         if response.status_code == 404:
@@ -240,8 +258,9 @@ class VLLMServerBackend:
                 f"Restart it with VLLM_SERVER_DEV_MODE=1 in its environment: {self.server_command()}"
             )
         if response.status_code != 200:
-            raise VLLMServerError(f"The vLLM server at {self.where} failed /server_info: {response.status_code} "
-                                  f"{response.text[:500]}")
+            raise VLLMServerError(
+                f"The vLLM server at {self.where} failed /server_info: {response.status_code} {response.text[:500]}"
+            )
         config = response.json()["vllm_config"]
         logprobs_mode = (config.get("model_config") or {}).get("logprobs_mode")
         if logprobs_mode != "processed_logprobs":
@@ -257,8 +276,11 @@ class VLLMServerBackend:
             self.transport.check_server(self, config, server_version)
         if self.session.get(f"{self.base_url}/weight_info", timeout=self.timeout).status_code == 404:
             self._labels = False
-            warnings.warn(f"The vLLM server at {self.where} (vLLM {server_version}) has no /weight_info route: a "
-                          "restart of the server during training cannot be detected. Use vLLM >= 0.31.", stacklevel=2)
+            warnings.warn(
+                f"The vLLM server at {self.where} (vLLM {server_version}) has no /weight_info route: a "
+                "restart of the server during training cannot be detected. Use vLLM >= 0.31.",
+                stacklevel=2,
+            )
 
     def _probe_lora(self, config: dict, env: dict) -> None:
         rank = self.lora["config"].r
@@ -279,8 +301,9 @@ class VLLMServerBackend:
                 f"Restart it with {fix}: VLLM_ALLOW_RUNTIME_LORA_UPDATING=True {self.server_command()} --enable-lora "
                 f"--max-lora-rank {max(rank, 8)}; or set lora_weight_sync='merged'."
             )
-        logger.warning("lora_weight_sync='auto': sending merged weights, the vLLM server at %s lacks %s.",
-                       self.where, fix)
+        logger.warning(
+            "lora_weight_sync='auto': sending merged weights, the vLLM server at %s lacks %s.", self.where, fix
+        )
         self.lora = None
 
     # -------------------------------------------------------------- backend interface
@@ -315,8 +338,7 @@ class VLLMServerBackend:
         os.makedirs(folder, exist_ok=True)
         self.lora["config"].save_pretrained(folder)  # adapter_config.json
         save_file(staged.tensors, os.path.join(folder, "adapter_model.safetensors"))
-        self.post("/v1/load_lora_adapter", {"lora_name": name, "lora_path": folder},
-                  doing=f"loading adapter {name}")
+        self.post("/v1/load_lora_adapter", {"lora_name": name, "lora_path": folder}, doing=f"loading adapter {name}")
         self._pushes += 1
         self._adapters.append(name)
         while len(self._adapters) > 1:
@@ -350,15 +372,17 @@ class VLLMServerBackend:
             row = unfinished[0]
             raise VLLMServerError(
                 f"The vLLM server at {self.where} ended {len(unfinished)} of {len(prompt_ids)} completions without "
-                f"finishing them (prompt {row}: finish_reason {finish_reasons[row]!r} after {len(completion_ids[row])} "
+                f"finishing them (prompt {row}: finish_reason {finish_reasons[row]!r} after "
+                f"{len(completion_ids[row])} "
                 "tokens); a truncated completion is never trained. Check the server's log."
             )
         return completion_ids, logprobs
 
     def generate_until(self, prompt_ids: list[list[int]], stop: threading.Event, interrupt, generated: list[int]):
-        """Generate until done or `interrupt()` (asked at every streamed event); then the response is closed, which aborts the request on the server, and only the tokens received (all sampled by the weights
-        the server held) are kept. Row r's prompt may end with `generated[r]` tokens already sampled: its
-        budget is the rest of max_tokens (one request asks for the largest budget; a row past its own is cut there,
+        """Generate until done or `interrupt()` (asked at every streamed event); then the response is closed, which
+        aborts the request on the server, and only the tokens received (all sampled by the weights the server held)
+        are kept. Row r's prompt may end with `generated[r]` tokens already sampled: its budget is the rest of
+        max_tokens (one request asks for the largest budget; a row past its own is cut there,
         as max_tokens would have). Returns the new tokens, their log-probs, and per row whether it is unfinished."""
         budgets = [self.sampling["max_tokens"] - done for done in generated]
         completion_ids, logprobs, finish_reasons, interrupted = self._stream(prompt_ids, stop, interrupt, max(budgets))
@@ -372,7 +396,8 @@ class VLLMServerBackend:
                 if not interrupted:
                     raise VLLMServerError(
                         f"The vLLM server at {self.where} ended completion {row} without finishing it (finish_reason "
-                        f"{finish_reasons[row]!r} after {len(completion_ids[row])} tokens). Check the server's log.")
+                        f"{finish_reasons[row]!r} after {len(completion_ids[row])} tokens). Check the server's log."
+                    )
                 unfinished[row] = True
         return completion_ids, logprobs, unfinished
 
@@ -395,18 +420,21 @@ class VLLMServerBackend:
         finish_reasons = [None] * len(prompt_ids)
         interrupted = False
         try:
-            with self.session.post(f"{self.base_url}/v1/completions", json=payload, stream=True,
-                                   timeout=self.timeout) as response:
+            with self.session.post(
+                f"{self.base_url}/v1/completions", json=payload, stream=True, timeout=self.timeout
+            ) as response:
                 if response.status_code != 200:
-                    raise VLLMServerError(f"The vLLM server at {self.where} refused /v1/completions: "
-                                          f"{response.status_code} {response.text[:500]}")
+                    raise VLLMServerError(
+                        f"The vLLM server at {self.where} refused /v1/completions: "
+                        f"{response.status_code} {response.text[:500]}"
+                    )
                 # Server-sent events, one per step and prompt.
                 for line in response.iter_lines():
                     if stop.is_set():
                         return completion_ids, logprobs, finish_reasons, False
                     if not line.startswith(b"data: ") or line == b"data: [DONE]":
                         continue
-                    event = json.loads(line[len(b"data: "):])
+                    event = json.loads(line[len(b"data: ") :])
                     if "error" in event or event.get("object") == "error":
                         # An engine failure arrives inside the 200 stream, then [DONE]: never data.
                         error = event.get("error", event)
@@ -430,8 +458,10 @@ class VLLMServerBackend:
         self._check_weights_unchanged(doing)
         for row, (ids, lps) in enumerate(zip(completion_ids, logprobs)):
             if len(ids) != len(lps):
-                raise VLLMServerError(f"The vLLM server at {self.where} returned {len(ids)} token ids but {len(lps)} "
-                                      f"log-probs for prompt {row}.")
+                raise VLLMServerError(
+                    f"The vLLM server at {self.where} returned {len(ids)} token ids but {len(lps)} "
+                    f"log-probs for prompt {row}."
+                )
         return completion_ids, logprobs, finish_reasons, interrupted
 
     def close(self) -> None:
@@ -474,8 +504,11 @@ class DiskTransport:
         tmp = os.path.join(self.folder, "model.safetensors.tmp")
         save_file(staged.tensors, tmp)
         os.replace(tmp, os.path.join(self.folder, "model.safetensors"))  # the server never sees a partial file
-        backend.post("/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": self.folder}},
-                     doing="reloading the weights from disk")
+        backend.post(
+            "/collective_rpc",
+            {"method": "reload_weights", "kwargs": {"weights_path": self.folder}},
+            doing="reloading the weights from disk",
+        )
         _reset_prefix_cache(backend)
 
     def close(self) -> None:
@@ -486,8 +519,10 @@ def _reset_prefix_cache(backend: VLLMServerBackend) -> None:
     # Answers {"success": false} while blocks are held by running requests; none run during a push.
     answer = backend.post("/reset_prefix_cache", doing="resetting the prefix cache")
     if answer.get("success") is False:
-        raise VLLMServerError(f"The vLLM server at {backend.where} could not reset its prefix cache after a weight "
-                              "push (blocks still held): cached prefixes would keep the old weights' key/values.")
+        raise VLLMServerError(
+            f"The vLLM server at {backend.where} could not reset its prefix cache after a weight "
+            "push (blocks still held): cached prefixes would keep the old weights' key/values."
+        )
 
 
 class NCCLTransport:
@@ -521,7 +556,8 @@ class NCCLTransport:
                 f"group with it): pip install 'trl-a3po[vllm]' (vllm=={server_version}, the server's release)."
             )
         if server_version != "unknown" and (
-            (_version_tuple(trainer_version) >= _NCCL_WIRE_CHANGE) != (_version_tuple(server_version) >= _NCCL_WIRE_CHANGE)
+            (_version_tuple(trainer_version) >= _NCCL_WIRE_CHANGE)
+            != (_version_tuple(server_version) >= _NCCL_WIRE_CHANGE)
         ):
             raise VLLMServerSetupError(
                 f"The trainer's vLLM {trainer_version} and the server's {server_version} speak different NCCL weight-"
@@ -533,8 +569,9 @@ class NCCLTransport:
         from trl.generation.vllm_client import VLLMClient
 
         self.device = torch.cuda.current_device()
-        self.client = VLLMClient(base_url=backend.base_url, group_port=self.group_port,
-                                 connection_timeout=self.timeout_s)
+        self.client = VLLMClient(
+            base_url=backend.base_url, group_port=self.group_port, connection_timeout=self.timeout_s
+        )
         self.client.init_communicator(device=self.device)
 
     def stage(self, named_tensors: NamedTensors) -> StagedWeights:
@@ -556,7 +593,9 @@ class NCCLTransport:
         # The producer thread works on the trainer's device (no CUDA: only with a stand-in client, in tests).
         with torch.cuda.device(self.device) if torch.cuda.is_available() else contextlib.nullcontext():
             wait_until_staged(staged)  # the broadcast runs on this thread's stream, after the staging copies
-            metadata = [(name, str(t.dtype).removeprefix("torch."), list(t.shape)) for name, t in staged.tensors.items()]
+            metadata = [
+                (name, str(t.dtype).removeprefix("torch."), list(t.shape)) for name, t in staged.tensors.items()
+            ]
             with self.client.weight_update():
                 self.client.update_named_params(metadata, iter(staged.tensors.items()))
             self.client.reset_prefix_cache()
