@@ -11,7 +11,7 @@ import torch
 from transformers import TrainerCallback
 
 from trl_a3po import A3POConfig, A3POTrainer
-from trl_a3po.rollout import InProcessBackend, ProducerError
+from trl_a3po.rollout import GenerationQueue, InProcessBackend, ProducerError
 from trl_a3po.rollout.policy_weights import policy_tensors
 from trl_a3po.rollout.vllm_server import VLLMServerUnreachable
 
@@ -27,6 +27,7 @@ from conftest import (
     producer_threads,
     record_trained_samples,
     slow_generation,
+    wait_for_the_next_version,
 )
 
 
@@ -184,11 +185,16 @@ def test_every_sample_behaviour_logprobs_come_from_its_recorded_version(
 def test_inflight_weight_updates_keep_every_token_on_its_recorded_version(
     tmp_path, tokenizer, prompt_dataset, monkeypatch, continuous
 ):
-    # In-flight updates on: generation slowed (20 ms a token) so that versions are published mid-sequence. Every
-    # trained token's behaviour log-prob is what its own recorded version gives it, sequences do mix versions, the
-    # bound holds per token, and the prompt order is the synchronous run's. Continuous: the batches waiting are
-    # generated together in one `generate`, a stopped generation's tail with the next batch's rows.
-    slow_generation(monkeypatch)
+    # In-flight updates on, versions published mid-sequence: one batch at a time, generation slowed (20 ms a token);
+    # continuous, a stream holding only batches ahead of the trainer waits for the next version at each token
+    # (`wait_for_the_next_version`: no race with the trainer). Every trained token's behaviour log-prob is what its
+    # own recorded version gives it, sequences do mix versions, the bound holds per token, and the prompt order is
+    # the synchronous run's. Continuous: the batches waiting are generated together in one `generate`, a stopped
+    # generation's tail with the next batch's rows.
+    if continuous:
+        monkeypatch.setattr(GenerationQueue, "_newer_version_due", wait_for_the_next_version)
+    else:
+        slow_generation(monkeypatch)
     rows_per_call = []
     generate_until = InProcessBackend.generate_until
     monkeypatch.setattr(

@@ -306,11 +306,6 @@ def test_nan_behaviour_logprob_names_the_sample(tmp_path, tokenizer, prompt_data
         trainer.train()
 
 
-def test_requires_a3po_config(tmp_path, tokenizer, prompt_dataset):
-    with pytest.raises(TypeError, match="A3POConfig"):
-        make_trainer(tmp_path, tokenizer, prompt_dataset, config_cls=GRPOConfig)
-
-
 def test_lora_training(tmp_path, tokenizer, prompt_dataset, monkeypatch):
     from peft import LoraConfig
 

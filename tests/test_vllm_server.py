@@ -171,21 +171,25 @@ def test_async_training_on_the_vllm_server_respects_the_bound(
         monkeypatch.setattr(GenerationQueue, "_newer_version_due", wait_for_the_next_version)
     elif inflight:
         slow_generation(monkeypatch)
-    streams = {"now": 0, "most": 0}
+    streams = {"now": 0, "most": 0, "first": True}
     if continuous:  # count the requests streaming at once
-        lock, generate_until = threading.Lock(), VLLMServerBackend.generate_until
+        changed, generate_until = threading.Condition(), VLLMServerBackend.generate_until
 
         def counted(backend, *args):
-            with lock:
+            with changed:
                 streams["now"] += 1
                 streams["most"] = max(streams["most"], streams["now"])
+                changed.notify_all()
+                # The first stream waits for a second to start (the first submission admits batches 0-2 at once,
+                # and the coordinator streams every one of them): a tiny request could otherwise end before the next
+                # thread starts. Streams started one after another never meet, and the assertion below fails.
+                first, streams["first"] = streams["first"], False
+                if first:
+                    changed.wait_for(lambda: streams["now"] >= 2, timeout=60)
             try:
-                # every stream lasts >= 0.2 s, so streams the coordinator starts together are seen together (a tiny
-                # request can end before the next thread starts); streams started one after another still are not
-                time.sleep(0.2)
                 return generate_until(backend, *args)
             finally:
-                with lock:
+                with changed:
                     streams["now"] -= 1
 
         monkeypatch.setattr(VLLMServerBackend, "generate_until", counted)

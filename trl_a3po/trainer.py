@@ -157,6 +157,10 @@ class A3POTrainer(GRPOTrainer):
             rollout_func=rollout_func,
             environment_factory=environment_factory,
         )
+        self._set_up_a3po()
+
+    def _set_up_a3po(self) -> None:
+        """A3POTrainer's own state, on top of GRPOTrainer's (Accelerate, the model and TRL's config exist by now)."""
         if self.args.sampling_temperature is not None:
             # The generators sample at their own temperature (in-process: this config; a vLLM server: its request);
             # the learner's forward keeps `temperature` (TRL's `self.temperature`).
