@@ -345,7 +345,6 @@ def test_unreachable_vllm_server_fails_fast_naming_host_and_port(tmp_path, token
     assert time.perf_counter() - start < 30
 
 
-# a batch boundary, inside one; inside one with in-flight updates, with continuous generation
 @pytest.mark.parametrize("steps_per_generation,shards", [(1, 1), (2, 1), (2, 3)])
 def test_an_iterable_dataset_trains_asynchronously_in_the_synchronous_prompt_order(
     tmp_path, tokenizer, prompt_dataset, steps_per_generation, shards
@@ -382,6 +381,7 @@ def test_an_iterable_dataset_trains_asynchronously_in_the_synchronous_prompt_ord
     assert producer_threads() == []
 
 
+# a batch boundary, inside one; inside one with in-flight updates, with continuous generation; a streamed dataset
 @pytest.mark.parametrize(
     "resume_step,inflight,continuous,iterable",
     [
