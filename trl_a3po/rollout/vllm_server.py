@@ -183,9 +183,7 @@ class VLLMServerBackend:
                 (config,) = peft_configs.values()
                 folder = os.path.join(args.weight_sync_dir or os.path.join(args.output_dir, "weight_sync"), "adapters")
                 lora = {"config": config, "sync": args.lora_weight_sync, "folder": os.path.abspath(folder)}
-            elif args.lora_weight_sync == "adapter":  # before any model work, __init__ refused this already
-                raise VLLMServerSetupError(f"lora_weight_sync='adapter' cannot serve {reason}.")
-            else:
+            else:  # (`adapter` with such a policy is refused before any model work: support.check_supported)
                 logger.warning("lora_weight_sync='auto': sending merged weights, the policy has %s.", reason)
         return cls(base_url, transport, sampling, timeout_s=args.vllm_server_timeout, lora=lora)
 
