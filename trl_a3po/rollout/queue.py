@@ -126,16 +126,17 @@ class GenerationQueue:
         self._backend = backend
         self._sync_every = sync_every
         self._inflight = inflight_weight_updates
-        self._requests: queue.SimpleQueue[_Request | None] = queue.SimpleQueue()
-        self._results: queue.SimpleQueue[GenerationResult | _Failure] = queue.SimpleQueue()
-        self._weights_lock = threading.Lock()  # guards `_published` only
-        self._published: tuple[int, dict] | None = None
-        self._held_version = -1  # producer thread only (streams are handed theirs): the version the backend holds
-        self._next_submit: int | None = None
-        self._next_get: int | None = None
-        self._error: BaseException | None = None
-        self._doing = "starting"  # producer thread: what it is doing, for the failure's message
-        self._stop = threading.Event()
+        # Owners: "trainer" = the main thread (publish, submit, get, close); "producer" = the producer thread.
+        self._requests: queue.SimpleQueue[_Request | None] = queue.SimpleQueue()  # trainer -> producer (thread-safe)
+        self._results: queue.SimpleQueue[GenerationResult | _Failure] = queue.SimpleQueue()  # producer -> trainer
+        self._weights_lock = threading.Lock()  # guards `_published` only, held for the swap or the read alone
+        self._published: tuple[int, dict] | None = None  # (version, staged copy): written by the trainer, under lock
+        self._held_version = -1  # producer only (streams are handed theirs): the version the backend holds
+        self._next_submit: int | None = None  # trainer only
+        self._next_get: int | None = None  # trainer only
+        self._error: BaseException | None = None  # written once by the producer, before its failure sentinel
+        self._doing = "starting"  # producer: what it is doing, for the failure's message (read when it fails)
+        self._stop = threading.Event()  # set by close (trainer) or a failing coordinator
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
 
     def start(self) -> GenerationQueue:
