@@ -39,7 +39,8 @@ from .queue import GeneratedBatch, GenerationQueue, GenerationResult, _Failure, 
 
 @dataclass
 class _Batch:
-    """One submitted batch until it is handed over: its tokens so far, per row, and the stream working on it."""
+    """One submitted batch until it is handed over: its tokens so far, per row, and the stream working on it. The
+    coordinator's alone (streams never touch it: `_collect` folds a finished stream's answer in)."""
 
     request: _Request
     idle_s: float
@@ -69,7 +70,7 @@ class _Stream:
     rows: list[tuple[_Batch, int]]
     version: int
     thread: threading.Thread | None = None
-    answer: tuple | BaseException | None = None  # what `generate_until` returned or raised
+    answer: tuple | BaseException | None = None  # written by the stream thread; read by the coordinator after join
 
 
 class ContinuousGenerationQueue(GenerationQueue):
