@@ -27,9 +27,7 @@ def policy_tensors(trainer) -> Iterator[Iterator[tuple]]:
     top of its shards."""
     model = trainer.accelerator.unwrap_model(trainer.model)
     dist = trainer._dist  # TRL's DistributedBackend: which sharding, and its gathers
-    if dist.is_zero3:
-        if is_peft_model(model):
-            raise ValueError(PEFT_ON_SHARDS)
+    if dist.is_zero3:  # (a PEFT model on sharded parameters is refused when the trainer is built)
         named_tensors = _gathered_one_by_one(model, dist.gather_params)
         try:
             yield named_tensors
