@@ -53,6 +53,112 @@ def make_tokenizer() -> PreTrainedTokenizerFast:
     return tokenizer
 
 
+def add(a: int, b: int) -> int:
+    """Add two integers.
+
+    Args:
+        a: The first integer.
+        b: The second integer.
+    """
+    return a + b
+
+
+def make_tool_tokenizer() -> PreTrainedTokenizerFast:
+    """A small byte-level BPE tokenizer with TRL's Qwen2.5 chat template (which renders tools and tool calls; TRL
+    parses its responses), trained on that template's text so a tool prompt stays short."""
+    import trl
+
+    template = (Path(trl.__file__).parent / "chat_templates" / "qwen2_5.jinja").read_text()
+    from transformers.utils import get_json_schema
+
+    corpus = [
+        template,
+        "You are Qwen, created by Alibaba Cloud. You are a helpful assistant.",
+        '<tool_call>\n{"name": "add", "arguments": {"a": 3, "b": 4}}\n</tool_call>',
+        "<tool_response>\n7\n</tool_response> What is 3 + 4? The answer is 7. system user assistant tool",
+        json.dumps(get_json_schema(add)),
+        "0 1 2 3 4 5 6 7 8 9 Question",
+    ] * 8
+    from tokenizers import decoders
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(
+        corpus,
+        trainers.BpeTrainer(
+            vocab_size=800,
+            special_tokens=["<pad>", "<|im_end|>", "<unk>", "<|im_start|>"],
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        ),
+    )
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="<pad>", eos_token="<|im_end|>", unk_token="<unk>"
+    )
+    tokenizer.chat_template = template
+    return tokenizer
+
+
+def tool_question(i: int) -> list[dict]:
+    return [{"role": "user", "content": f"Question {i}: What is 3 + 4?"}]
+
+
+def make_tool_model(tokenizer, steps: int = 250):
+    """A tiny model taught (supervised, on CPU, in seconds) to answer `tool_question`s by calling `add(3, 4)` one to
+    three times before "The answer is 7.": sampled at temperature 1 it makes one to several calls per episode, now
+    and then a malformed one."""
+    torch.manual_seed(0)
+    config = Qwen2Config(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        tie_word_embeddings=True,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=None,
+    )
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    call = {"type": "function", "function": {"name": "add", "arguments": {"a": 3, "b": 4}}}
+
+    def render(messages, **kwargs):
+        return tokenizer.apply_chat_template(messages, tools=[add], tokenize=True, return_dict=True, **kwargs)[
+            "input_ids"
+        ]
+
+    examples = []
+    for i, calls in enumerate((1, 2, 3, 1, 2, 1)):
+        messages = tool_question(i)
+        for _ in range(calls):
+            messages += [
+                {"role": "assistant", "content": "", "tool_calls": [call]},
+                {"role": "tool", "name": "add", "content": "7"},
+            ]
+        messages.append({"role": "assistant", "content": "The answer is 7."})
+        ids = render(messages)
+        labels = [-100] * len(ids)
+        for turn, message in enumerate(messages):
+            if message["role"] == "assistant":  # learn the assistant turns only, up to their end-of-turn token
+                start, end = (
+                    len(render(messages[:turn], add_generation_prompt=True)),
+                    len(render(messages[: turn + 1])),
+                )
+                labels[start : end - 1] = ids[start : end - 1]
+        examples.append((torch.tensor([ids]), torch.tensor([labels])))
+    optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
+    for step in range(steps):
+        ids, labels = examples[step % len(examples)]
+        model(input_ids=ids, labels=labels).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return model
+
+
 def make_model(tokenizer, seed: int = 0):
     torch.manual_seed(seed)
     config = Qwen2Config(
@@ -96,14 +202,14 @@ def generate_two_versions_ahead(trainer):
     step from the third, whatever the threads' timing."""
     take_generated_batch = trainer._take_generated_batch
 
-    def taking(prompt_ids):
+    def taking():
         queue = trainer._rollout.queue
         if queue is not None and trainer.policy_version > 0:
             done = threading.Event()
             while queue.depth < queue._next_submit - queue._next_get and not done.is_set():
                 queue.raise_if_failed()
                 done.wait(0.005)  # a condition the producer sets (a result in its FIFO), read again
-        return take_generated_batch(prompt_ids)
+        return take_generated_batch()
 
     trainer._take_generated_batch = taking
 
@@ -116,6 +222,23 @@ def tokenizer():
 @pytest.fixture
 def model(tokenizer):
     return make_model(tokenizer)
+
+
+@pytest.fixture(scope="session")
+def tool_tokenizer():
+    return make_tool_tokenizer()
+
+
+@pytest.fixture(scope="session")
+def tool_model_weights(tool_tokenizer):
+    return make_tool_model(tool_tokenizer).state_dict()
+
+
+@pytest.fixture
+def tool_model(tool_tokenizer, tool_model_weights):
+    model = make_tool_model(tool_tokenizer, steps=0)
+    model.load_state_dict(tool_model_weights)
+    return model
 
 
 @pytest.fixture
@@ -237,6 +360,7 @@ def record_trained_samples(
         "completion_mask",
         "sampling_per_token_logps",
         "behavior_version",
+        "tool_mask",
     ),
 ):
     samples = []
@@ -271,6 +395,8 @@ def check_behaviour_logprobs_against_versions(trainer, versions, samples, atol, 
     checked = 0
     for inputs in samples:
         mask = inputs["completion_mask"].bool()
+        if "tool_mask" in inputs:  # tool results are not sampled: their log-prob is TRL's 0.0 placeholder
+            mask &= inputs["tool_mask"].bool()
         token_versions = inputs["behavior_version"]
         assert token_versions.shape == mask.shape  # one version per completion token
         seen = torch.zeros_like(mask)

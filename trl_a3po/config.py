@@ -72,6 +72,12 @@ class A3POConfig(GRPOConfig):
         inflight_weight_updates (`bool`, *optional*, defaults to `False`):
             Load a newer version in the middle of a generation, between two tokens, continuing each unfinished
             sequence under the new weights (per-token versions); on a vLLM server: abort, push, resubmit.
+        turn_weight_updates (`bool`, *optional*, defaults to `True`):
+            Tools and environments: load a newer version between two turns of an episode (each turn is a new request).
+        tool_timeout_s (`float`, *optional*, defaults to `60.0`):
+            Tools and environments, generated ahead: a tool call that has not returned after this many seconds fails.
+        max_concurrent_episodes (`int`, *optional*, defaults to `64`):
+            Tools and environments, generated ahead: episodes played at once (their tool calls run concurrently).
     """
 
     prox_logp_method: str = field(
@@ -246,6 +252,32 @@ class A3POConfig(GRPOConfig):
             "benchmarks/RESULTS.md, benchmarks/inflight.py)."
         },
     )
+    turn_weight_updates: bool = field(
+        default=True,
+        metadata={
+            "help": "With tools or an environment_factory, generated ahead: let the generator load a newer policy "
+            "version between two turns of an episode (the continuation after a tool result is a new request, so no "
+            "generation is interrupted). Each token records the version that sampled it; the staleness bound holds "
+            "per token. False: an episode's turns are all generated with the version its batch started with (unless "
+            "inflight_weight_updates)."
+        },
+    )
+    tool_timeout_s: float = field(
+        default=60.0,
+        metadata={
+            "help": "With tools or an environment_factory, generated ahead: a tool call (sync or async) that has not "
+            "returned after this many seconds is a failed call, as TRL counts a tool that raises (the model sees "
+            "its error message); the episode goes on."
+        },
+    )
+    max_concurrent_episodes: int = field(
+        default=64,
+        metadata={
+            "help": "With tools or an environment_factory, generated ahead: how many episodes of a generation batch "
+            "the producer plays at once, each in a thread of its own, so that their tool calls run concurrently; "
+            "their turns are generated together."
+        },
+    )
     inflight_weight_updates: bool = field(
         default=False,
         metadata={
@@ -278,6 +310,12 @@ class A3POConfig(GRPOConfig):
         if self.dual_clip_c is not None and not self.dual_clip_c > 1.0:
             raise ValueError(f"dual_clip_c={self.dual_clip_c} must be > 1 (typically 3.0), or None to disable it.")
         self._validate_generation()
+        if not self.tool_timeout_s > 0:
+            raise ValueError(f"tool_timeout_s={self.tool_timeout_s} must be > 0 (seconds a tool call may take).")
+        if self.max_concurrent_episodes < 1:
+            raise ValueError(
+                f"max_concurrent_episodes={self.max_concurrent_episodes} must be >= 1 (episodes played at once)."
+            )
         micro_steps = self.steps_per_generation * self.num_iterations
         # The producer counts versions too (it generates batch k with version k - max_staleness or newer).
         if (self.use_decoupled_loss or self.async_generation) and micro_steps % self.gradient_accumulation_steps:

@@ -50,7 +50,7 @@ from .proximal import (
     staleness_alpha,
 )
 from .rollout import generate_with_behavior_logprobs
-from .rollout.async_rollout import AsyncRollout
+from .rollout.async_rollout import AsyncRollout, GeneratedShare
 from .rollout.policy_weights import PEFT_ON_SHARDS
 from .support import check_supported
 from .timing import ProxTimer
@@ -75,6 +75,8 @@ class _Scoring:
     # Per completion token, the policy version that generated it; set by the generation hook when the batch was
     # generated ahead (None: generated just now, by the weights being trained).
     behavior_versions: list[list[int]] | None = None
+    # The producer's share of this batch, when generated ahead: the generation hooks hand TRL its parts.
+    share: GeneratedShare | None = None
 
 
 class _ResumeAlignmentCallback(TrainerCallback):
@@ -240,7 +242,7 @@ class A3POTrainer(GRPOTrainer):
             self._buffered_inputs = split_tensor_dict(batch, self.args.steps_per_generation)
         return self._buffered_inputs[self._step % self.args.steps_per_generation]
 
-    def _take_generated_batch(self, prompt_ids: list[list[int]]):
+    def _take_generated_batch(self) -> GeneratedShare:
         """The producer's batch for this training step, in place of generating it now; its per-token versions go to
         scoring (`_Scoring`), its queue metrics to the logs."""
         index = self._step // self._micro_steps_per_generation
@@ -251,17 +253,21 @@ class A3POTrainer(GRPOTrainer):
                 "micro-step and optimizer-step counters disagree (a resume that changed the batch "
                 "layout?)"
             )
-        share = self._rollout.take(index, version, prompt_ids)
+        share = self._rollout.take(index, version)
         self._scoring.behavior_versions = share.versions
         for key, value in share.stats.items():
             self._metrics["train"][key].append(value)
-        return share.completion_ids, share.logprobs
+        return share
 
     # ------------------------------------------------------------------ generation side
 
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
-        if self.args.async_generation and self.model.training:
-            return self._take_generated_batch(prompt_ids)
+        if self._scoring is not None and self._scoring.share is not None:  # generated ahead
+            share = self._scoring.share
+            share.check_prompts(self._step // self._micro_steps_per_generation, prompt_ids)
+            if share.episodes is not None:  # TRL parses the first turn, then asks `_tool_call_loop` for the rest
+                return [e.first_turn_ids for e in share.episodes], [e.first_turn_logprobs for e in share.episodes]
+            return share.completion_ids, share.logprobs
         if self.use_vllm or not self.args.use_decoupled_loss:
             # vLLM already returns the sampled tokens' log-probs (TRL asks for processed_logprobs).
             return super()._generate_single_turn(
@@ -291,6 +297,30 @@ class A3POTrainer(GRPOTrainer):
                 eos_token_ids=list(self.eos_token_ids),
             )
 
+    def _tool_call_loop(self, prompts, prompt_ids, completion_ids, completions, logprobs, images, multimodal_fields):
+        if self._scoring is None or self._scoring.share is None:
+            return super()._tool_call_loop(
+                prompts, prompt_ids, completion_ids, completions, logprobs, images, multimodal_fields
+            )
+        # Generated ahead: the producer ran TRL's loop for each episode (`rollout/episodes.py`); hand TRL its results.
+        episodes = self._scoring.share.episodes
+        return (
+            [e.tool_mask for e in episodes],
+            [e.completions for e in episodes],
+            [e.completion_ids for e in episodes],
+            [e.logprobs for e in episodes],
+            sum(e.tool_calls for e in episodes),
+            sum(e.tool_failures for e in episodes),
+            [[] for _ in episodes],  # tool images: text-only
+        )
+
+    def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
+        share = self._scoring.share if self._scoring is not None else None
+        if share is not None and share.episodes is not None and self.environment_factories is not None:
+            # The environments the episodes were played in (TRL's preamble held stand-ins: `AsyncRollout.scoring`).
+            self.environments = [e.environment for e in share.episodes]
+        return super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
+
     def _get_per_token_logps_and_entropies(self, *args, **kwargs):
         if self._scoring is not None and self._scoring.skip_old_logp_forward:
             # When a generation batch spans several optimizer steps (gradient_accumulation_steps not a multiple of
@@ -308,7 +338,12 @@ class A3POTrainer(GRPOTrainer):
             and (self.args.gradient_accumulation_steps % self._micro_steps_per_generation != 0)
         )
         try:
-            output = super()._generate_and_score_completions(inputs)
+            if self.args.async_generation and self.model.training:
+                scoring.share = self._take_generated_batch()
+                with self._rollout.scoring(scoring.share):
+                    output = super()._generate_and_score_completions(inputs)
+            else:
+                output = super()._generate_and_score_completions(inputs)
         finally:
             self._scoring = None
         if not decoupled:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import sys
 import time
 from dataclasses import dataclass
 
@@ -25,6 +26,7 @@ from torch.utils.data import BatchSampler, DataLoader
 from trl.trainer.utils import repeat_iterable_dataset
 
 from .continuous import ContinuousGenerationQueue
+from .episodes import Episode, EpisodeRunner
 from .inprocess import InProcessBackend, build_whole_snapshot
 from .policy_weights import policy_tensors
 from .queue import GenerationQueue, ProducerError, StalenessBound
@@ -39,6 +41,15 @@ class GeneratedShare:
     logprobs: list[list[float]]  # per completion token: the behaviour log-prob, from the sampled distribution
     versions: list[list[int]]  # per completion token: the policy version that sampled it
     stats: dict[str, float]  # queue metrics for this batch, under their logged names
+    episodes: list[Episode] | None = None  # multi-turn rows (tools, environments): how each was played
+
+    def check_prompts(self, index: int, prompt_ids: list[list[int]]) -> None:
+        if self.prompt_ids != list(prompt_ids):
+            raise RuntimeError(
+                f"Generation batch {index}: the producer's prompts differ from the trainer's. The prompt order "
+                "diverged from the training dataloader's (a custom sampler or data collator?), or an environment's "
+                "`reset` observation was not the one played; set async_generation=False."
+            )
 
 
 class AsyncRollout:
@@ -54,6 +65,8 @@ class AsyncRollout:
         self.plans = None  # per process served: iterator over its future generation batches, in sampler order
         self.submitted = 0  # generation batches handed to the producer so far
         self.sends_adapter = False  # the vLLM server gets the LoRA adapter alone (lora_weight_sync)
+        self.plays_episodes = bool(trainer.tools) or trainer.environment_factories is not None
+        self.current: GeneratedShare | None = None  # the share being scored (environments' recorded observations)
 
     @property
     def runs_producer(self) -> bool:
@@ -96,8 +109,17 @@ class AsyncRollout:
             self.sends_adapter = backend.sync_mode == "adapter"
             served = list(range(self.accelerator.num_processes))
         queue_class = ContinuousGenerationQueue if self.args.continuous_generation else GenerationQueue
+        episodes = (
+            EpisodeRunner(trainer, self.args.tool_timeout_s, self.args.max_concurrent_episodes)
+            if self.plays_episodes
+            else None
+        )
         self.queue = queue_class(
-            backend, sync_every=self.args.weight_sync_steps, inflight_weight_updates=self.args.inflight_weight_updates
+            backend,
+            sync_every=self.args.weight_sync_steps,
+            inflight_weight_updates=self.args.inflight_weight_updates,
+            episodes=episodes,
+            turn_weight_updates=self.args.turn_weight_updates,
         )
         self.queue.start()
         self.plans = [self._generation_batches(first_index, p) for p in served]
@@ -113,10 +135,10 @@ class AsyncRollout:
 
     # ------------------------------------------------------------------ one call per training step
 
-    def take(self, index: int, version: int, prompt_ids: list[list[int]]) -> GeneratedShare:
+    def take(self, index: int, version: int) -> GeneratedShare:
         """Batch `index`, this process's share, at the start of training step `index` (the live weights are version
         `version`). Every process calls it at the same step: publishing sharded weights and handing out shares are
-        collectives."""
+        collectives. The caller checks its prompts against the trainer's (`GeneratedShare.check_prompts`)."""
         share = None
         try:
             if self.bound is None:
@@ -146,12 +168,6 @@ class AsyncRollout:
                 raise shares
             share = shares[self.accelerator.process_index]
         share.stats["a3po/queue/trainer_wait_s"] = time.perf_counter() - start
-        if share.prompt_ids != list(prompt_ids):
-            raise RuntimeError(
-                f"Generation batch {index}: the producer's prompts differ from the trainer's. The prompt order "
-                "diverged from the training dataloader's (a custom sampler or data collator?); set "
-                "async_generation=False."
-            )
         return share
 
     def _produce(self, index: int, version: int):
@@ -162,14 +178,21 @@ class AsyncRollout:
         while self.submitted <= min(self.bound.last_submittable(version), last_batch):
             planned = [next(plan) for plan in self.plans]  # (index, rows) per served process
             planned_index = planned[0][0]
-            prompt_ids = [
-                ids for _, rows in planned for ids in self.trainer._tokenize_prompts([r["prompt"] for r in rows])[0]
-            ]
-            self.queue.submit(planned_index, prompt_ids, self.bound.min_version(planned_index))
+            min_version = self.bound.min_version(planned_index)
+            if self.plays_episodes:  # prompts exist once played (an environment's reset extends them)
+                self.queue.submit(planned_index, None, min_version, rows=[row for _, rows in planned for row in rows])
+            else:
+                prompt_ids = [
+                    ids
+                    for _, rows in planned
+                    for ids in self.trainer._tokenize_prompts([r["prompt"] for r in rows])[0]
+                ]
+                self.queue.submit(planned_index, prompt_ids, min_version)
             self.submitted = planned_index + 1
         result = self.queue.get(index)
         batch = result.batch
         stats = {
+            **self._episode_stats(batch.episodes),
             "a3po/queue/producer_idle_s": result.idle_s,
             "a3po/queue/depth": self.queue.depth,
             "a3po/gen/tokens_per_s": sum(map(len, batch.completion_ids)) / max(batch.generation_s, 1e-9),
@@ -183,10 +206,48 @@ class AsyncRollout:
                 batch.logprobs[i : i + size],
                 batch.versions[i : i + size],
                 dict(stats),
+                None if batch.episodes is None else batch.episodes[i : i + size],
             )
             for i in range(0, len(result.prompt_ids), size)
         ]
         return shares if self.serves_other_processes else shares[0]
+
+    @staticmethod
+    def _episode_stats(episodes: list[Episode] | None) -> dict[str, float]:
+        if episodes is None:
+            return {}
+        return {
+            "a3po/tools/wait_s": sum(e.tool_s for e in episodes) / len(episodes),  # per episode, mean
+            "a3po/episodes/versions_per_episode": sum(len(set(e.versions)) for e in episodes) / len(episodes),
+        }
+
+    # ------------------------------------------------------------------ environments, while a share is scored
+
+    @contextlib.contextmanager
+    def scoring(self, share: GeneratedShare):
+        """While TRL scores `share` on the main thread: TRL's environment preamble draws each row's instance from its
+        pool and calls `reset` on it. The episodes were played (and reset) by the producer already, on instances of
+        its own, so TRL's pool is lent, for this call only, slots whose `reset` returns what the producer's reset
+        returned: TRL rebuilds the very prompts that were played. The rewards then read the played instances
+        (`A3POTrainer._calculate_rewards`), which go back to the producer's pool once scored."""
+        trainer = self.trainer
+        if share.episodes is None or trainer.environment_factories is None:
+            yield
+            return
+        self.current = share
+        pool = trainer._environment_pool
+        trainer._environment_pool = {name: _PlayedSlots(self, name) for name in trainer.environment_factories}
+        try:
+            yield
+        finally:
+            trainer._environment_pool, self.current = pool, None
+            if self.queue is not None and not self.serves_other_processes:  # the instances played here
+                for episode in share.episodes:
+                    self.queue.release_environment(episode.environment_name, episode.environment)
+
+    def played_observation(self, name, position: int):
+        """The `reset` observation of the `position`-th row of environment `name` in the share being scored."""
+        return [e for e in self.current.episodes if e.environment_name == name][position].observation
 
     @contextlib.contextmanager
     def _generator_tensors(self):
@@ -281,3 +342,28 @@ class AsyncRollout:
                 index += 1
             if read == 0:
                 raise ValueError("the train dataset streamed no complete generation batch")
+
+
+class _PlayedSlots:
+    """TRL's environment pool for one name while a share is scored (`AsyncRollout.scoring`): TRL hands the `j`-th row
+    of that environment slot `j` (it creates an instance only when its cursor reaches the pool's length: never)."""
+
+    def __init__(self, rollout: AsyncRollout, name):
+        self._rollout, self._name = rollout, name
+
+    def __len__(self) -> int:
+        return sys.maxsize
+
+    def __getitem__(self, position: int) -> _PlayedEnvironment:
+        return _PlayedEnvironment(self._rollout, self._name, position)
+
+
+class _PlayedEnvironment:
+    """Stands for a played episode's environment in TRL's preamble: its `reset` is the one the producer already made,
+    returning the observation recorded then."""
+
+    def __init__(self, rollout: AsyncRollout, name, position: int):
+        self._rollout, self._name, self._position = rollout, name, position
+
+    def reset(self, **kwargs):
+        return self._rollout.played_observation(self._name, self._position)

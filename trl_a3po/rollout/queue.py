@@ -31,6 +31,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
+from .episodes import EpisodesStopped
+
 
 @dataclass(frozen=True)
 class StalenessBound:
@@ -78,6 +80,7 @@ class GeneratedBatch:
     versions: list[list[int]]  # per completion token: the policy version of the weights that generated it
     generation_s: float = 0.0
     weight_sync_s: float = 0.0
+    episodes: list | None = None  # multi-turn rows (tools, environments): each row's `Episode`, in row order
 
 
 @dataclass
@@ -91,8 +94,9 @@ class GenerationResult:
 @dataclass
 class _Request:
     index: int
-    prompt_ids: list[list[int]]
+    prompt_ids: list[list[int]] | None  # None for episodes: their prompts exist once the producer has reset them
     min_version: int
+    rows: list[dict] | None = None  # episodes (tools, environments): the dataset rows to play
 
 
 @dataclass
@@ -122,10 +126,14 @@ class GenerationQueue:
         sync_every: int = 1,
         name: str = "a3po-producer",
         inflight_weight_updates: bool = False,
+        episodes=None,
+        turn_weight_updates: bool = True,
     ):
         self._backend = backend
         self._sync_every = sync_every
         self._inflight = inflight_weight_updates
+        self._episodes = episodes  # an EpisodeRunner (episodes.py): plays multi-turn rows; None = single-turn only
+        self._turn_updates = turn_weight_updates  # episodes: load a newer version between two turns
         # Owners: "trainer" = the main thread (publish, submit, get, close); "producer" = the producer thread.
         self._requests: queue.SimpleQueue[_Request | None] = queue.SimpleQueue()  # trainer -> producer (thread-safe)
         self._results: queue.SimpleQueue[GenerationResult | _Failure] = queue.SimpleQueue()  # producer -> trainer
@@ -161,8 +169,13 @@ class GenerationQueue:
         with self._weights_lock:
             return None if self._published is None else self._published[0]
 
-    def submit(self, index: int, prompt_ids: list[list[int]], min_version: int) -> None:
+    def submit(
+        self, index: int, prompt_ids: list[list[int]] | None, min_version: int, rows: list[dict] | None = None
+    ) -> None:
+        """Hand the producer batch `index`: its prompts, or (episodes) its dataset rows."""
         self.raise_if_failed()
+        if (rows is None) == (prompt_ids is None) or (rows is not None and self._episodes is None):
+            raise ValueError("submit either prompt_ids, or rows to a queue built with an episode runner")
         if self._next_submit is not None and index != self._next_submit:
             raise ValueError(
                 f"generation batches must be submitted in order: expected {self._next_submit}, got {index}"
@@ -174,7 +187,7 @@ class GenerationQueue:
                 "publish it before submitting"
             )
         self._next_submit = index + 1
-        self._requests.put(_Request(index, prompt_ids, min_version))
+        self._requests.put(_Request(index, prompt_ids, min_version, rows))
 
     def get(self, index: int, timeout: float | None = None) -> GenerationResult:
         """Block until batch `index` (the next one in submission order) is generated; re-raise a producer failure."""
@@ -193,6 +206,10 @@ class GenerationQueue:
         self._next_get = index + 1
         return item
 
+    def release_environment(self, name, instance) -> None:
+        """An episode's environment instance, scored by the trainer: back to the producer's pool (any thread)."""
+        self._episodes.environments.release(name, instance)
+
     def raise_if_failed(self) -> None:
         if self._error is not None:
             raise ProducerError(
@@ -208,6 +225,8 @@ class GenerationQueue:
         """Stop the producer (a generation in progress is abandoned at its next token) and release the backend."""
         self._stop.set()
         self._requests.put(None)  # wakes a producer waiting for a request
+        if self._episodes is not None:
+            self._episodes.abort()  # wakes a producer waiting for turns, and the episodes waiting for it
         if self._thread.ident is not None and threading.current_thread() is not self._thread:
             self._thread.join(timeout)
             if self._thread.is_alive():
@@ -221,6 +240,8 @@ class GenerationQueue:
                     stacklevel=2,
                 )
                 return
+        if self._episodes is not None:
+            self._episodes.close()
         self._backend.close()
 
     # -------------------------------------------------------------- producer thread
@@ -235,6 +256,12 @@ class GenerationQueue:
                 idle_s = time.perf_counter() - idle_start
                 sync_s = self._load_weights_for(request.min_version)
                 start = time.perf_counter()
+                if request.rows is not None:
+                    result = self._play_episodes(request, idle_s, sync_s)
+                    if result is None:
+                        return  # abandoned mid-way: training is ending
+                    self._results.put(result)
+                    continue
                 if self._inflight:
                     completion_ids, logprobs, versions, switch_s = self._generate_across_versions(request)
                 else:
@@ -251,6 +278,41 @@ class GenerationQueue:
         except BaseException as error:  # re-raised in the trainer's thread by get() / raise_if_failed()
             self._error = error
             self._results.put(_Failure(error))
+
+    def _play_episodes(self, request: _Request, idle_s: float, sync_s: float) -> GenerationResult | None:
+        """A batch of multi-turn rows: the episode runner plays them, asking this thread for their turns."""
+        start, switch_s = time.perf_counter(), 0.0
+
+        def generate_turn(prompt_ids):
+            nonlocal switch_s
+            if self._turn_updates:  # a continuation is a new request: a newer version may serve it
+                switch_s += self._load_weights_for(request.min_version)
+            if self._inflight:
+                ids, logprobs, versions, seconds = self._generate_across_versions(
+                    _Request(request.index, prompt_ids, request.min_version)
+                )
+                switch_s += seconds
+                return ids, logprobs, versions
+            self._doing = f"generating turns of batch {request.index} with version {self._held_version}"
+            ids, logprobs = self._backend.generate(prompt_ids, self._stop)
+            return ids, logprobs, [[self._held_version] * len(row) for row in ids]
+
+        try:
+            self._doing = f"playing the episodes of batch {request.index}"
+            episodes = self._episodes.run(request.rows, generate_turn)
+        except EpisodesStopped:
+            return None
+        if self._stop.is_set():
+            return None
+        batch = GeneratedBatch(
+            [e.completion_ids for e in episodes],
+            [e.logprobs for e in episodes],
+            [e.versions for e in episodes],
+            time.perf_counter() - start - switch_s,
+            sync_s + switch_s,
+            episodes=episodes,
+        )
+        return GenerationResult(request.index, [e.prompt_ids for e in episodes], batch, idle_s)
 
     def _generate_across_versions(self, request: _Request):
         """One request, switching to a newer version between two tokens whenever one is due; returns the completions,

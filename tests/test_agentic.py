@@ -1,0 +1,375 @@
+"""Tools and environments generated ahead (A3POConfig's defaults: asynchronous): TRL's tool loop played by the
+producer, tool calls off the main thread and concurrent, versions per token across turns."""
+
+import asyncio
+import collections
+import os
+import signal
+import threading
+import time
+
+import pytest
+from datasets import Dataset
+from transformers import TrainerCallback
+
+from trl_a3po import A3POConfig, A3POTrainer
+from trl_a3po.rollout.episodes import EpisodeRunner
+
+from conftest import (
+    COMMON,
+    VersionRecorder,
+    check_behaviour_logprobs_against_versions,
+    logged,
+    producer_threads,
+    record_trained_samples,
+    tool_question,
+)
+
+
+def agentic_threads() -> list[str]:
+    return [
+        t.name
+        for t in threading.enumerate()
+        if t.is_alive() and t.name.startswith(("a3po-producer", "a3po-stream", "a3po-episode", "a3po-tool"))
+    ]
+
+
+class ToolCalls:
+    """A test tool's record: the thread of every call (one entry per execution)."""
+
+    def __init__(self):
+        self.threads = []
+        self._lock = threading.Lock()
+
+    def record(self):
+        with self._lock:
+            self.threads.append(threading.current_thread().name)
+
+
+def sync_add(calls: ToolCalls):
+    def add(a: int, b: int) -> int:
+        """Add two integers.
+
+        Args:
+            a: The first integer.
+            b: The second integer.
+        """
+        calls.record()
+        return a + b
+
+    return add
+
+
+def async_add(calls: ToolCalls):
+    async def add(a: int, b: int) -> int:
+        """Add two integers.
+
+        Args:
+            a: The first integer.
+            b: The second integer.
+        """
+        calls.record()
+        await asyncio.sleep(0)
+        return a + b
+
+    return add
+
+
+def reward_prompts(recorded: list):
+    """A reward with spread (the completion's message count and length), recording the prompts in the order scored."""
+
+    def reward(prompts, completions, **kwargs):
+        recorded.append([p[-1]["content"] for p in prompts])
+        return [len(c) + len(c[-1].get("content") or "") / 100 for c in completions]
+
+    return reward
+
+
+def config(tmp_path, **overrides):
+    values = {
+        **COMMON,
+        "max_completion_length": 128,
+        "learning_rate": 1e-4,
+        "max_steps": 8,
+        "output_dir": str(tmp_path),
+        "temperature": 1.0,
+        **overrides,
+    }
+    return A3POConfig(**values)
+
+
+def tool_dataset(n=16, **columns):
+    return Dataset.from_dict({"prompt": [tool_question(i) for i in range(n)], **columns})
+
+
+def newer_version_between_turns(trainer, monkeypatch):
+    """Each episode's continuation (every turn after a batch's first) waits until the trainer has published a newer
+    version than the generator holds, unless the generator already holds the batch's own version (the trainer
+    then waits for this very batch: no newer version can come). Batches are played in order from 0, and version v + 1
+    is published once batch v is trained, which never waits on a later batch: no deadlock. So episodes generated
+    ahead span versions on any machine."""
+    real_run = EpisodeRunner.run
+    played = {"batches": 0}
+
+    def run(self, rows, generate_turn):
+        index, first = played["batches"], [True]
+        played["batches"] += 1
+        queue = trainer._rollout.queue
+
+        def turn(prompt_ids):
+            if not first[0]:
+                wake = threading.Event()
+                while (
+                    queue._held_version < index
+                    and queue.published_version <= queue._held_version
+                    and not queue._stop.is_set()
+                ):
+                    wake.wait(0.005)  # a version the trainer publishes, read again
+            first[0] = False
+            return generate_turn(prompt_ids)
+
+        return real_run(self, rows, turn)
+
+    monkeypatch.setattr(EpisodeRunner, "run", run)
+
+
+@pytest.mark.parametrize("kind", ["sync", "async"])
+def test_tools_are_played_ahead_with_a_version_per_token(tmp_path, tool_tokenizer, tool_model, monkeypatch, kind):
+    calls = ToolCalls()
+    tool = (sync_add if kind == "sync" else async_add)(calls)
+    trainer = A3POTrainer(
+        tool_model,
+        reward_prompts([]),
+        args=config(tmp_path),
+        train_dataset=tool_dataset(),
+        processing_class=tool_tokenizer,
+        tools=[tool],
+    )
+    assert trainer.args.async_generation  # A3POConfig's default
+    versions = VersionRecorder(trainer)
+    trainer.add_callback(versions)
+    samples = record_trained_samples(trainer)
+    newer_version_between_turns(trainer, monkeypatch)
+    trainer.train()
+    assert trainer.state.global_step == 8
+    # Every parsed call was executed exactly once (TRL counts calls and failures; a failed call, e.g. wrong arguments,
+    # never reaches the tool's body), and never on the main thread.
+    per_step = trainer.args.generation_batch_size
+    made = round(sum(f * per_step for f in logged(trainer, "tools/call_frequency")))
+    failed = round(
+        sum(
+            f * c * per_step
+            for f, c in zip(logged(trainer, "tools/failure_frequency"), logged(trainer, "tools/call_frequency"))
+        )
+    )
+    assert made > 8, "the model should call its tool in most episodes"
+    assert len(calls.threads) == made - failed
+    assert "MainThread" not in calls.threads
+    if kind == "sync":
+        assert all(name == "a3po-tool-add" for name in calls.threads)
+    # Per token: the behaviour log-prob is its recorded version's, in its context (prompt, turns, tool results).
+    assert check_behaviour_logprobs_against_versions(trainer, versions, samples, atol=1e-5) == 32
+    spanning = 0
+    for inputs in samples:
+        model_tokens = inputs["completion_mask"].bool() & inputs["tool_mask"].bool()
+        for row, versions_row in zip(model_tokens, inputs["behavior_version"]):
+            spanning += len(set(versions_row[row].tolist())) > 1
+    assert spanning > 0, "no episode switched versions between turns"
+    assert max(logged(trainer, "a3po/staleness/max")) <= trainer.args.max_staleness
+    assert agentic_threads() == []
+
+
+def test_tools_keep_the_synchronous_prompt_order(tmp_path, tool_tokenizer, tool_model_weights):
+    from conftest import make_tool_model
+
+    prompts = {}
+    for mode in ("sync", "async"):
+        model = make_tool_model(tool_tokenizer, steps=0)
+        model.load_state_dict(tool_model_weights)
+        prompts[mode] = []
+        trainer = A3POTrainer(
+            model,
+            reward_prompts(prompts[mode]),
+            args=config(tmp_path / mode, async_generation=mode == "async"),
+            train_dataset=tool_dataset(),
+            processing_class=tool_tokenizer,
+            tools=[sync_add(ToolCalls())],
+        )
+        trainer.train()
+    assert len(prompts["async"]) == 8 and prompts["async"] == prompts["sync"]
+
+
+def test_failed_tool_calls_are_counted_and_never_hang_the_producer(tmp_path, tool_tokenizer, tool_model):
+    """Every third call raises, every third hangs past `tool_timeout_s`; the model's own malformed calls fail too.
+    Each is a failed call as TRL counts it (the model sees the error), and training goes on."""
+    calls, release = ToolCalls(), threading.Event()
+
+    def add(a: int, b: int) -> int:
+        """Add two integers.
+
+        Args:
+            a: The first integer.
+            b: The second integer.
+        """
+        calls.record()
+        n = len(calls.threads)
+        if n % 3 == 1:
+            raise ValueError("the calculator is broken")
+        if n % 3 == 2:
+            release.wait(2)  # hangs past the timeout (then ends: a daemon thread nobody waits for)
+        return a + b
+
+    trainer = A3POTrainer(
+        tool_model,
+        reward_prompts([]),
+        args=config(tmp_path, tool_timeout_s=0.3),
+        train_dataset=tool_dataset(),
+        processing_class=tool_tokenizer,
+        tools=[add],
+    )
+    start = time.perf_counter()
+    try:
+        trainer.train()
+    finally:
+        release.set()
+    assert trainer.state.global_step == 8
+    per_step = trainer.args.generation_batch_size
+    frequency, failure = logged(trainer, "tools/call_frequency"), logged(trainer, "tools/failure_frequency")
+    made = round(sum(f * per_step for f in frequency))
+    failed = round(sum(f * c * per_step for f, c in zip(failure, frequency)))
+    executed = len(calls.threads)
+    raised, hung = (executed + 2) // 3, (executed + 1) // 3
+    assert executed >= 3 and failed >= raised + hung  # plus the malformed ones, which never reach the tool
+    assert failed - raised - hung == made - executed  # exactly the calls that never ran
+    assert time.perf_counter() - start < 120
+
+
+class Counter:
+    """An environment whose tool is its own `add`, whose reward is its own state, and whose data is its `reset`."""
+
+    resets = collections.Counter()  # thread name -> resets, over every instance
+    lock = threading.Lock()
+
+    def __init__(self):
+        self.added = 0
+
+    def reset(self, **row):
+        with Counter.lock:
+            Counter.resets[threading.current_thread().name] += 1
+        self.added = 0
+        return " Use the tool."
+
+    def add(self, a: int, b: int) -> int:
+        """Add two integers.
+
+        Args:
+            a: The first integer.
+            b: The second integer.
+        """
+        self.added += 1
+        return a + b
+
+    def get_reward(self) -> float:
+        return float(self.added)
+
+
+class Doubler(Counter):
+    def get_reward(self) -> float:
+        return 2.0 * self.added
+
+
+@pytest.mark.parametrize("factories", ["one", "dict"])
+def test_environments_are_played_ahead_and_score_their_own_episodes(tmp_path, tool_tokenizer, tool_model, factories):
+    Counter.resets.clear()
+    if factories == "one":
+        environment_factory, dataset = Counter, tool_dataset()
+    else:
+        environment_factory = {"counter": Counter, "doubler": Doubler}
+        dataset = tool_dataset(environment=["counter", "doubler"] * 8)
+    scored = []
+
+    def seen(prompts, completions, environments, **kwargs):  # a reward that reads the played environments
+        names = kwargs.get("environment", [None] * len(prompts))
+        scored.append((prompts, completions, environments, names))
+        return [0.0] * len(prompts)
+
+    trainer = A3POTrainer(
+        tool_model,
+        seen,
+        args=config(tmp_path),
+        train_dataset=dataset,
+        processing_class=tool_tokenizer,
+        environment_factory=environment_factory,
+    )
+    trainer.train()
+    assert trainer.state.global_step == 8
+    # reset once per episode trained, by the producer's episode threads (TRL's preamble got stand-ins)
+    assert sum(Counter.resets.values()) == 8 * trainer.args.generation_batch_size
+    assert all(name.startswith("a3po-episode") for name in Counter.resets)
+    # The prompt trained is the one played (the reset observation appended), and the rewards read each episode's
+    # own instance: its reward is the number of its tool results.
+    assert len(scored) == 8
+    for prompts, completions, environments, names in scored:
+        for prompt, completion, environment, name in zip(prompts, completions, environments, names):
+            assert prompt[-1]["content"].endswith(" Use the tool.")
+            results = sum(m["role"] == "tool" and m["content"] == "7" for m in completion)
+            assert environment.added == results
+            assert type(environment) is {None: Counter, "counter": Counter, "doubler": Doubler}[name]
+    assert len(logged(trainer, "rewards/Counter/mean")) == 8  # the environment-owned reward, logged by TRL
+    assert agentic_threads() == []
+
+
+class _FailWhileAToolRuns(TrainerCallback):
+    """At the second optimizer step, once a tool call is running, the optimizer step raises or a SIGINT lands."""
+
+    def __init__(self, how, tool_running):
+        self.how, self.tool_running, self.failed_at = how, tool_running, None
+
+    def on_train_begin(self, args, state, control, optimizer=None, **kwargs):
+        def hook(opt, *_):
+            if state.global_step == 1:
+                assert self.tool_running.wait(30)
+                self.failed_at = time.perf_counter()
+                if self.how == "raise":
+                    raise RuntimeError("simulated out of memory in optimizer.step")
+                os.kill(os.getpid(), signal.SIGINT)
+
+        getattr(optimizer, "optimizer", optimizer).register_step_pre_hook(hook)
+
+
+@pytest.mark.parametrize("how", ["raise", "sigint"])
+def test_a_failure_while_a_tool_runs_ends_train_fast_with_no_thread_left(
+    tmp_path, tool_tokenizer, tool_model, request, how
+):
+    if how == "sigint":
+        previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+        request.addfinalizer(lambda: signal.signal(signal.SIGINT, previous))
+    running, calls = threading.Event(), ToolCalls()
+
+    def add(a: int, b: int) -> int:
+        """Add two integers.
+
+        Args:
+            a: The first integer.
+            b: The second integer.
+        """
+        calls.record()
+        if len(calls.threads) > 2:  # a slow API, from the third call on
+            running.set()
+            threading.Event().wait(3)
+        return a + b
+
+    trainer = A3POTrainer(
+        tool_model,
+        reward_prompts([]),
+        args=config(tmp_path, max_steps=16),
+        train_dataset=tool_dataset(),
+        processing_class=tool_tokenizer,
+        tools=[add],
+    )
+    failing = _FailWhileAToolRuns(how, running)
+    trainer.add_callback(failing)
+    with pytest.raises(RuntimeError if how == "raise" else KeyboardInterrupt):
+        trainer.train()
+    assert time.perf_counter() - failing.failed_at < 15
+    assert producer_threads() == [] and agentic_threads() == []
