@@ -1,5 +1,6 @@
 """Tiny models and a locally trained tokenizer: the tests run offline, on CPU, in seconds."""
 
+import collections
 import json
 import os
 import socket
@@ -99,6 +100,9 @@ def make_tool_tokenizer() -> PreTrainedTokenizerFast:
     return tokenizer
 
 
+OBSERVATION = " Use the tool."  # what `AddingEnvironment.reset` appends to a prompt
+
+
 def tool_question(i: int) -> list[dict]:
     return [{"role": "user", "content": f"Question {i}: What is 3 + 4?"}]
 
@@ -113,8 +117,8 @@ def make_tool_model(tokenizer, steps: int = 250):
         hidden_size=64,
         intermediate_size=128,
         num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        num_attention_heads=2,  # head size 32: one vLLM's CPU attention supports (the server tests serve it)
+        num_key_value_heads=1,
         max_position_embeddings=1024,
         tie_word_embeddings=True,
         pad_token_id=tokenizer.pad_token_id,
@@ -134,6 +138,8 @@ def make_tool_model(tokenizer, steps: int = 250):
     examples = []
     for i, calls in enumerate((1, 2, 3, 1, 2, 1)):
         messages = tool_question(i)
+        if i % 2:  # as `AddingEnvironment.reset` extends it
+            messages[-1]["content"] += OBSERVATION
         for _ in range(calls):
             messages += [
                 {"role": "assistant", "content": "", "tool_calls": [call]},
@@ -159,6 +165,50 @@ def make_tool_model(tokenizer, steps: int = 250):
     return model
 
 
+def tool_model_saved(folder, tokenizer, weights):
+    """The tool model (`make_tool_model`, with `weights`) and its tokenizer, saved in `folder` for a server and the
+    launched processes."""
+    model = make_tool_model(tokenizer, steps=0)
+    model.load_state_dict(weights)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+class AddingEnvironment:
+    """An environment whose tool is its own `add`, whose reward is its own state, and whose data is its `reset`."""
+
+    resets = collections.Counter()  # thread name -> resets, over every instance
+    lock = threading.Lock()
+
+    def __init__(self):
+        self.added = 0
+
+    def reset(self, **row):
+        with AddingEnvironment.lock:
+            AddingEnvironment.resets[threading.current_thread().name] += 1
+        self.added = 0
+        return OBSERVATION
+
+    def add(self, a: int, b: int) -> int:
+        """Add two integers.
+
+        Args:
+            a: The first integer.
+            b: The second integer.
+        """
+        self.added += 1
+        return a + b
+
+    def get_reward(self) -> float:
+        return float(self.added)
+
+
+class DoublingEnvironment(AddingEnvironment):
+    def get_reward(self) -> float:
+        return 2.0 * self.added
+
+
 def make_model(tokenizer, seed: int = 0):
     torch.manual_seed(seed)
     config = Qwen2Config(
@@ -178,6 +228,24 @@ def make_model(tokenizer, seed: int = 0):
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     return model
+
+
+def vllm_python() -> str | None:
+    """The Python of the vLLM venv the server tests start servers with (.venv-vllm, or A3PO_VLLM_PYTHON)."""
+    candidate = os.environ.get("A3PO_VLLM_PYTHON") or str(
+        Path(__file__).resolve().parent.parent / ".venv-vllm/bin/python"
+    )
+    return candidate if Path(candidate).exists() else None
+
+
+def need_vllm_python() -> str:
+    """`vllm_python()`, or skip the test (fail under A3PO_REQUIRE_VLLM, as CI sets)."""
+    python = vllm_python()
+    if python is None:
+        if os.environ.get("A3PO_REQUIRE_VLLM"):
+            pytest.fail("A3PO_REQUIRE_VLLM is set but no vLLM venv was found (.venv-vllm or A3PO_VLLM_PYTHON)")
+        pytest.skip("no vLLM venv (.ci/run installs one in .venv-vllm)")
+    return python
 
 
 def free_port() -> int:

@@ -2,7 +2,6 @@
 producer, tool calls off the main thread and concurrent, versions per token across turns."""
 
 import asyncio
-import collections
 import os
 import signal
 import threading
@@ -17,13 +16,21 @@ from trl_a3po.rollout.episodes import EpisodeRunner
 
 from conftest import (
     COMMON,
+    OBSERVATION,
+    AddingEnvironment,
+    DoublingEnvironment,
     VersionRecorder,
     check_behaviour_logprobs_against_versions,
+    free_port,
+    launch,
     logged,
+    need_vllm_python,
     producer_threads,
     record_trained_samples,
+    tool_model_saved,
     tool_question,
 )
+from local_vllm import local_vllm_server
 
 
 def agentic_threads() -> list[str]:
@@ -244,53 +251,22 @@ def test_failed_tool_calls_are_counted_and_never_hang_the_producer(tmp_path, too
     assert time.perf_counter() - start < 120
 
 
-class Counter:
-    """An environment whose tool is its own `add`, whose reward is its own state, and whose data is its `reset`."""
-
-    resets = collections.Counter()  # thread name -> resets, over every instance
-    lock = threading.Lock()
-
-    def __init__(self):
-        self.added = 0
-
-    def reset(self, **row):
-        with Counter.lock:
-            Counter.resets[threading.current_thread().name] += 1
-        self.added = 0
-        return " Use the tool."
-
-    def add(self, a: int, b: int) -> int:
-        """Add two integers.
-
-        Args:
-            a: The first integer.
-            b: The second integer.
-        """
-        self.added += 1
-        return a + b
-
-    def get_reward(self) -> float:
-        return float(self.added)
-
-
-class Doubler(Counter):
-    def get_reward(self) -> float:
-        return 2.0 * self.added
-
-
 @pytest.mark.parametrize("factories", ["one", "dict"])
 def test_environments_are_played_ahead_and_score_their_own_episodes(tmp_path, tool_tokenizer, tool_model, factories):
-    Counter.resets.clear()
+    AddingEnvironment.resets.clear()
     if factories == "one":
-        environment_factory, dataset = Counter, tool_dataset()
+        environment_factory, dataset = AddingEnvironment, tool_dataset()
     else:
-        environment_factory = {"counter": Counter, "doubler": Doubler}
+        environment_factory = {"counter": AddingEnvironment, "doubler": DoublingEnvironment}
         dataset = tool_dataset(environment=["counter", "doubler"] * 8)
     scored = []
 
     def seen(prompts, completions, environments, **kwargs):  # a reward that reads the played environments
+        # (read now: once scored, an instance goes back to the producer, which resets it for a later episode)
         names = kwargs.get("environment", [None] * len(prompts))
-        scored.append((prompts, completions, environments, names))
+        scored.append(
+            [(p, c, e.added, type(e), name) for p, c, e, name in zip(prompts, completions, environments, names)]
+        )
         return [0.0] * len(prompts)
 
     trainer = A3POTrainer(
@@ -304,18 +280,19 @@ def test_environments_are_played_ahead_and_score_their_own_episodes(tmp_path, to
     trainer.train()
     assert trainer.state.global_step == 8
     # reset once per episode trained, by the producer's episode threads (TRL's preamble got stand-ins)
-    assert sum(Counter.resets.values()) == 8 * trainer.args.generation_batch_size
-    assert all(name.startswith("a3po-episode") for name in Counter.resets)
+    assert sum(AddingEnvironment.resets.values()) == 8 * trainer.args.generation_batch_size
+    assert all(name.startswith("a3po-episode") for name in AddingEnvironment.resets)
     # The prompt trained is the one played (the reset observation appended), and the rewards read each episode's
     # own instance: its reward is the number of its tool results.
     assert len(scored) == 8
-    for prompts, completions, environments, names in scored:
-        for prompt, completion, environment, name in zip(prompts, completions, environments, names):
-            assert prompt[-1]["content"].endswith(" Use the tool.")
-            results = sum(m["role"] == "tool" and m["content"] == "7" for m in completion)
-            assert environment.added == results
-            assert type(environment) is {None: Counter, "counter": Counter, "doubler": Doubler}[name]
-    assert len(logged(trainer, "rewards/Counter/mean")) == 8  # the environment-owned reward, logged by TRL
+    assert sum(added for batch in scored for _, _, added, _, _ in batch) > 8  # tools were called
+    kinds = {None: AddingEnvironment, "counter": AddingEnvironment, "doubler": DoublingEnvironment}
+    for batch in scored:
+        for prompt, completion, added, kind, name in batch:
+            assert prompt[-1]["content"].endswith(OBSERVATION)
+            assert added == sum(m["role"] == "tool" and not m["content"].startswith("{'error'") for m in completion)
+            assert kind is kinds[name]
+    assert len(logged(trainer, "rewards/AddingEnvironment/mean")) == 8  # the environment-owned reward, logged by TRL
     assert agentic_threads() == []
 
 
@@ -373,3 +350,87 @@ def test_a_failure_while_a_tool_runs_ends_train_fast_with_no_thread_left(
         trainer.train()
     assert time.perf_counter() - failing.failed_at < 15
     assert producer_threads() == [] and agentic_threads() == []
+
+
+# ---------------------------------------------------------------- on the CPU vLLM server
+
+
+@pytest.fixture(scope="module")
+def tool_server(tmp_path_factory, tool_tokenizer, tool_model_weights):
+    """A real `vllm serve` (CPU build) of the tool model, in dev mode, with processed log-probs."""
+    python = need_vllm_python()
+    root = tmp_path_factory.mktemp("tool-server")
+    model_dir = tool_model_saved(root / "model", tool_tokenizer, tool_model_weights)
+    port = free_port()
+    with local_vllm_server(
+        python, str(model_dir), port, str(root), max_model_len=1024, timeout_s=300, env={"HF_HUB_OFFLINE": "1"}
+    ):
+        yield {"port": port, "model_dir": model_dir}
+
+
+def server_config(tmp_path, server, **overrides):
+    return config(
+        tmp_path,
+        rollout_backend="vllm_server",
+        vllm_server_port=server["port"],
+        weight_sync_transport="disk",
+        **overrides,
+    )
+
+
+@pytest.mark.parametrize("kind", ["tools", "environment"])
+def test_episodes_on_the_vllm_server_carry_a_version_per_token(
+    tmp_path, tool_server, tool_tokenizer, monkeypatch, kind
+):
+    from transformers import AutoModelForCausalLM
+
+    calls = ToolCalls()
+    trainer = A3POTrainer(
+        AutoModelForCausalLM.from_pretrained(tool_server["model_dir"]),
+        reward_prompts([]),
+        args=server_config(tmp_path, tool_server),
+        train_dataset=tool_dataset(),
+        processing_class=tool_tokenizer,
+        tools=[sync_add(calls)] if kind == "tools" else None,
+        environment_factory=AddingEnvironment if kind == "environment" else None,
+    )
+    versions = VersionRecorder(trainer)
+    trainer.add_callback(versions)
+    samples = record_trained_samples(trainer)
+    newer_version_between_turns(trainer, monkeypatch)
+    trainer.train()
+    assert trainer.state.global_step == 8
+    assert check_behaviour_logprobs_against_versions(trainer, versions, samples, atol=1e-3) == 32
+    spanning = sum(
+        len(set(versions_row[row].tolist())) > 1
+        for inputs in samples
+        for row, versions_row in zip(
+            inputs["completion_mask"].bool() & inputs["tool_mask"].bool(), inputs["behavior_version"]
+        )
+    )
+    assert spanning > 0, "no episode switched versions between turns"
+    assert max(logged(trainer, "a3po/staleness/max")) <= trainer.args.max_staleness
+    if kind == "tools":
+        assert calls.threads and "MainThread" not in calls.threads
+    assert sum(logged(trainer, "tools/call_frequency")) > 1
+    assert agentic_threads() == []
+
+
+@pytest.fixture(scope="module")
+def synchronous_tool_shards(tmp_path_factory, tool_server):
+    """What each of two processes trains synchronously with tools (TRL's own loop, in-process generation)."""
+    return launch(tmp_path_factory.mktemp("sync-tools"), "sync-tools", 0, tool_server["model_dir"])
+
+
+@pytest.mark.parametrize("mode", ["vllm-tools", "vllm-env"])
+def test_two_processes_share_the_servers_episodes(tmp_path, tool_server, synchronous_tool_shards, mode):
+    """The server shape: the main process plays every episode (tools, environments), hands each process its share
+    (environments pickled), and each trains the prompts the synchronous run gives it, every token checked against its
+    recorded version."""
+    ranks = launch(tmp_path, mode, tool_server["port"], tool_server["model_dir"])
+    for rank, result in enumerate(ranks):
+        assert result["world"] == 2
+        assert result["checked"] == 16  # 8 optimizer steps x 2 samples per process, each token checked
+        assert max(result["staleness_max"]) <= result["eta"] == 2
+        prompts = [sorted(batch) for batch in result["prompts"]]
+        assert prompts == [sorted(batch) for batch in synchronous_tool_shards[rank]["prompts"]], rank

@@ -33,17 +33,13 @@ from conftest import (
     record_trained_samples,
     require_deepspeed,
     slow_generation,
+    vllm_python,
     wait_for_the_next_version,
 )
 from local_vllm import local_vllm_server
 
 
 REPO = Path(__file__).resolve().parent.parent
-
-
-def vllm_python() -> str | None:
-    candidate = os.environ.get("A3PO_VLLM_PYTHON") or str(REPO / ".venv-vllm" / "bin" / "python")
-    return candidate if Path(candidate).exists() else None
 
 
 def make_server_model(tokenizer):

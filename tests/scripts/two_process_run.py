@@ -9,6 +9,10 @@ its samples' behaviour versions, and how many samples it checked against the wei
 
 A `-iterable` suffix on sync, async and vllm runs streams the dataset (`IterableDataset`, 2 shards).
 
+    two_process_run.py OUT_DIR sync-tools|vllm-tools|vllm-env PORT MODEL_DIR
+                                                                 tool calls (TRL's `tools`, or an environment_factory)
+                                                                 with the tool model saved in MODEL_DIR
+
 `*-inflight` modes turn on in-flight weight updates so that versions are published mid-sequence: generation is slowed
 (20 ms each time the producer asks whether a newer version is due, i.e. per token), and continuous generation
 waits for the next version instead (test_async.py's `wait_for_the_next_version`); `*-continuous-inflight` also
@@ -35,19 +39,28 @@ from trl_a3po.rollout import GenerationQueue  # noqa: E402
 
 from conftest import (  # noqa: E402
     NEWER_VERSION_DUE,
+    AddingEnvironment,
     VersionRecorder,
+    add,
     check_behaviour_logprobs_against_versions,
     digit_reward,
     make_model,
     make_tokenizer,
     record_trained_samples,
+    tool_question,
     wait_for_the_next_version,
 )
+
+
+def model_tokens(sample):
+    mask = sample["completion_mask"].bool()
+    return mask & sample["tool_mask"].bool() if "tool_mask" in sample else mask
 
 
 out_dir, run_name = Path(sys.argv[1]), sys.argv[2]
 mode = run_name.removesuffix("-iterable")  # `*-iterable`: the same run on the dataset streamed (IterableDataset)
 inflight = mode.endswith("-inflight")
+agentic = mode.endswith(("-tools", "-env"))
 seen = []
 
 if mode.endswith("-continuous-inflight"):
@@ -57,6 +70,9 @@ elif inflight:
 
 
 def recorded_reward(prompts, completions, **kwargs):
+    if agentic:  # conversational: the last message's text, and the number of messages (turns and tool results)
+        seen.append([p[-1]["content"] for p in prompts])
+        return [len(c) + len(c[-1].get("content") or "") / 100 for c in completions]
     seen.append(list(prompts))
     return digit_reward(completions)
 
@@ -117,6 +133,20 @@ if mode.startswith("standin"):  # a stand-in server (tests/standin_server.py) se
             raise RuntimeError("staging failed (injected)")
 
         VLLMServerBackend.stage = failing_stage
+elif agentic:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    port, model_dir = int(sys.argv[3]), sys.argv[4]
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    dataset = Dataset.from_dict({"prompt": [tool_question(i) for i in range(48)]})
+    if mode.startswith("vllm"):
+        server = dict(
+            rollout_backend="vllm_server",
+            vllm_server_port=port,
+            weight_sync_transport="disk",
+            weight_sync_dir=str(out_dir / "weight_sync"),
+        )
 elif mode.startswith("vllm"):
     from transformers import AutoModelForCausalLM
 
@@ -146,7 +176,7 @@ args = A3POConfig(
     output_dir=str(out_dir / mode),
     per_device_train_batch_size=2,
     num_generations=4,
-    max_completion_length=6,
+    max_completion_length=96 if agentic else 6,
     steps_per_generation=2,
     max_steps=8,
     logging_steps=1,
@@ -155,8 +185,8 @@ args = A3POConfig(
     save_strategy="no",
     seed=0,
     bf16=False,
-    learning_rate=1e-2,
-    async_generation=(mode != "sync"),
+    learning_rate=1e-4 if agentic else 1e-2,
+    async_generation=not mode.startswith("sync"),
     max_staleness=2,
     **server,
     inflight_weight_updates=inflight,
@@ -176,6 +206,8 @@ trainer = A3POTrainer(
     train_dataset=dataset,
     processing_class=tokenizer,
     peft_config=peft_config,
+    tools=[add] if mode.endswith("-tools") else None,
+    environment_factory=AddingEnvironment if mode.endswith("-env") else None,
 )
 versions = VersionRecorder(trainer)
 trainer.add_callback(versions)
@@ -202,7 +234,7 @@ staleness = [h["a3po/staleness/max"] for h in trainer.state.log_history if "a3po
             "checked": checked,
             "behaviour_versions": sorted({int(v) for s in samples for v in s["behavior_version"].unique()}),
             "mixed": sum(
-                len(s["behavior_version"][row][s["completion_mask"][row].bool()].unique()) > 1
+                len(s["behavior_version"][row][model_tokens(s)[row]].unique()) > 1
                 for s in samples
                 for row in range(len(s["behavior_version"]))
             ),

@@ -166,6 +166,9 @@ class AsyncRollout:
             shares = broadcast_object_list([share])[0]  # every process takes its own part
             if isinstance(shares, BaseException):
                 raise shares
+            if self.queue is not None:  # the other processes score copies of their environments (pickled)
+                for other in shares[: self.accelerator.process_index] + shares[self.accelerator.process_index + 1 :]:
+                    self._release_environments(other)
             share = shares[self.accelerator.process_index]
         share.stats["a3po/queue/trainer_wait_s"] = time.perf_counter() - start
         return share
@@ -241,9 +244,13 @@ class AsyncRollout:
             yield
         finally:
             trainer._environment_pool, self.current = pool, None
-            if self.queue is not None and not self.serves_other_processes:  # the instances played here
-                for episode in share.episodes:
-                    self.queue.release_environment(episode.environment_name, episode.environment)
+            if self.queue is not None:  # the producer's own instances (elsewhere: copies)
+                self._release_environments(share)
+
+    def _release_environments(self, share: GeneratedShare) -> None:
+        for episode in share.episodes or []:
+            if episode.environment is not None:
+                self.queue.release_environment(episode.environment_name, episode.environment)
 
     def played_observation(self, name, position: int):
         """The `reset` observation of the `position`-th row of environment `name` in the share being scored."""
