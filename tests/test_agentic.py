@@ -432,5 +432,5 @@ def test_two_processes_share_the_servers_episodes(tmp_path, tool_server, synchro
         assert result["world"] == 2
         assert result["checked"] == 16  # 8 optimizer steps x 2 samples per process, each token checked
         assert max(result["staleness_max"]) <= result["eta"] == 2
-        prompts = [sorted(batch) for batch in result["prompts"]]
+        prompts = [sorted(p.removesuffix(OBSERVATION) for p in batch) for batch in result["prompts"]]
         assert prompts == [sorted(batch) for batch in synchronous_tool_shards[rank]["prompts"]], rank
