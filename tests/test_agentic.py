@@ -434,3 +434,75 @@ def test_two_processes_share_the_servers_episodes(tmp_path, tool_server, synchro
         assert max(result["staleness_max"]) <= result["eta"] == 2
         prompts = [sorted(p.removesuffix(OBSERVATION) for p in batch) for batch in result["prompts"]]
         assert prompts == [sorted(batch) for batch in synchronous_tool_shards[rank]["prompts"]], rank
+
+
+# ---------------------------------------------------------------- rollout_func
+
+
+def two_turn_rollout(calls: list):
+    """A rollout_func as TRL defines it, generating through `trainer.a3po_generate`: a first turn, a fixed "feedback"
+    the environment adds (env_mask 0), a second turn; and a per-row field for the reward."""
+
+    def rollout(prompts, trainer):
+        calls.append(threading.current_thread().name)
+        tokenizer = trainer.processing_class
+        prompt_ids = [tokenizer(p)["input_ids"] for p in prompts]
+        first, first_logprobs = trainer.a3po_generate(prompt_ids)
+        feedback = tokenizer(" = ?")["input_ids"]
+        second, second_logprobs = trainer.a3po_generate([p + f + feedback for p, f in zip(prompt_ids, first)])
+        return {
+            "prompt_ids": prompt_ids,
+            "completion_ids": [f + feedback + s for f, s in zip(first, second)],
+            "logprobs": [fl + [0.0] * len(feedback) + sl for fl, sl in zip(first_logprobs, second_logprobs)],
+            "env_mask": [[1] * len(f) + [0] * len(feedback) + [1] * len(s) for f, s in zip(first, second)],
+            "turns": [2] * len(prompts),
+        }
+
+    return rollout
+
+
+def test_a_rollout_func_runs_in_the_producer_with_its_version(tmp_path, tokenizer, model, prompt_dataset):
+    calls, turns = [], []
+
+    def reward(completions, turns_field=None, **kwargs):
+        turns.extend(kwargs["turns"])
+        return [sum(ch.isdigit() for ch in c) / max(len(c), 1) for c in completions]
+
+    trainer = A3POTrainer(
+        model,
+        reward,
+        args=config(tmp_path, max_completion_length=8, learning_rate=1e-3),
+        train_dataset=prompt_dataset,
+        processing_class=tokenizer,
+        rollout_func=two_turn_rollout(calls),
+    )
+    versions = VersionRecorder(trainer)
+    trainer.add_callback(versions)
+    samples = record_trained_samples(trainer)
+    trainer.train()
+    assert trainer.state.global_step == 8
+    assert calls and all(name == "a3po-producer" for name in calls)  # called ahead, never on the main thread
+    assert turns == [2] * 32  # its per-row field reached the reward, row by row
+    # each model token's behaviour log-prob is its recorded version's; the feedback tokens are masked (env_mask)
+    assert check_behaviour_logprobs_against_versions(trainer, versions, samples, atol=1e-5) == 32
+    assert all((s["tool_mask"] == 0).any() for s in samples)
+    assert max(logged(trainer, "a3po/staleness/max")) > 0  # generated ahead
+
+
+def test_a_rollout_func_that_generates_elsewhere_is_refused(tmp_path, tokenizer, model, prompt_dataset):
+    def own_server(prompts, trainer):  # stands for a rollout_func that calls a server of its own
+        prompt_ids = [trainer.processing_class(p)["input_ids"] for p in prompts]
+        return {"prompt_ids": prompt_ids, "completion_ids": [[5, 6]] * len(prompts), "logprobs": [[-1.0, -1.0]] * 4}
+
+    trainer = A3POTrainer(
+        model,
+        lambda completions, **kw: [0.0] * len(completions),
+        args=config(tmp_path, max_completion_length=8),
+        train_dataset=prompt_dataset,
+        processing_class=tokenizer,
+        rollout_func=own_server,
+    )
+    with pytest.raises(Exception, match=r"must generate through `trainer.a3po_generate\(prompt_ids\)`") as info:
+        trainer.train()
+    assert "ProducerError" in type(info.value).__name__
+    assert agentic_threads() == []

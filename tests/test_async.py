@@ -525,7 +525,9 @@ def test_a_failure_during_training_ends_train_fast_with_no_thread_left(
     assert producer_threads() == []  # the producer and, continuous, every stream thread
 
 
-@pytest.mark.parametrize("case", ["tools", "grpo_config", "dora", "ia3", "lora_bias", "images", "images_coupled"])
+@pytest.mark.parametrize(
+    "case", ["tools_continuous", "grpo_config", "dora", "ia3", "lora_bias", "images", "images_coupled"]
+)
 def test_unsupported_inputs_are_refused_before_any_model_work(tmp_path, tokenizer, prompt_dataset, monkeypatch, case):
     from peft import IA3Config, LoraConfig
     from trl import GRPOConfig, GRPOTrainer
@@ -536,9 +538,10 @@ def test_unsupported_inputs_are_refused_before_any_model_work(tmp_path, tokenize
     monkeypatch.setattr(GRPOTrainer, "__init__", trl_init)
     args = A3POConfig(output_dir=str(tmp_path), **COMMON)
     kwargs = dict(model="never-loaded", reward_funcs=digit_reward, args=args, train_dataset=prompt_dataset)
-    if case == "tools":
+    if case == "tools_continuous":  # continuous generation streams single-turn rows; episodes are played instead
         kwargs["tools"] = [len]
-        error, pattern = ValueError, r"tools, environment_factory and rollout_func need async_generation=False"
+        kwargs["args"] = A3POConfig(output_dir=str(tmp_path), continuous_generation=True, **COMMON)
+        error, pattern = ValueError, r"with tools, an environment_factory or a rollout_func the producer plays"
     elif case == "dora":  # adapters the merged export cannot reproduce: the generator would run another policy
         kwargs["peft_config"] = LoraConfig(r=4, target_modules=["q_proj"], use_dora=True)
         error, pattern = ValueError, r"cannot represent LoRA with use_dora=True .* or set async_generation=False"

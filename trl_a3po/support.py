@@ -30,17 +30,12 @@ def check_supported(args: A3POConfig, given: dict) -> None:
 
 
 def _check_supported_async(args: A3POConfig, given: dict, images: set) -> None:
-    if given.get("rollout_func") is not None:
-        raise ValueError(
-            "async_generation=True supports tools and environment_factory, not yet rollout_func: a rollout_func "
-            "generates through its own backend, and the producer cannot tell which policy version sampled its "
-            "tokens. Set async_generation=False."
-        )
-    if (given.get("tools") or given.get("environment_factory") is not None) and args.continuous_generation:
+    multi_turn = given.get("tools") or given.get("environment_factory") is not None
+    if (multi_turn or given.get("rollout_func") is not None) and args.continuous_generation:
         raise ValueError(
             "continuous_generation=True streams the single-turn rows of several batches as requests of their own; "
-            "with tools or an environment_factory the producer plays episodes instead (their turns generated "
-            "together, their tool calls concurrent, a newer version loaded between turns). Set "
+            "with tools, an environment_factory or a rollout_func the producer plays episodes instead (their turns "
+            "generated together, their tool calls concurrent, a newer version loaded between turns). Set "
             "continuous_generation=False."
         )
     if images:

@@ -176,6 +176,11 @@ class A3POTrainer(GRPOTrainer):
         # Asynchronous generation, for one train() call: built and closed there, started at its first batch.
         self._rollout: AsyncRollout | None = None
         self._deferred_metrics: list[tuple[str, str, torch.Tensor]] = []  # read once per optimizer step
+        # A rollout_func runs in the producer when generated ahead; TRL calls `self.rollout_func`, which hands TRL
+        # the producer's output then (the user's function otherwise: synchronous mode, evaluation).
+        self._user_rollout_func = self.rollout_func
+        if self.rollout_func is not None:
+            self.rollout_func = self._rollout_func_or_its_output
         if self.args.async_generation:
             # The authoritative check, now that Accelerate knows the distributed setup (the early one reads env vars).
             if (self._dist.is_zero3 or self._dist.is_fsdp) and is_peft_model(
@@ -296,6 +301,30 @@ class A3POTrainer(GRPOTrainer):
                 pad_token_id=self._tokenizer.pad_token_id,
                 eos_token_ids=list(self.eos_token_ids),
             )
+
+    def a3po_generate(self, prompt_ids: list[list[int]]) -> tuple[list[list[int]], list[list[float]]]:
+        """For a `rollout_func`: one completion per prompt (token ids) and each token's behaviour log-prob, sampled
+        with the current weights. Generated ahead, the rollout_func gets the producer's version of this method
+        (`rollout/episodes.py`), which samples with the weights the producer holds and records their version."""
+        return self._generate_single_turn(prompt_ids, None, {}, 1)
+
+    def _rollout_func_or_its_output(self, prompts, trainer):
+        share = self._scoring.share if self._scoring is not None else None
+        if share is None:
+            return self._user_rollout_func(prompts, trainer)
+        episodes = share.episodes
+        if [e.prompt for e in episodes] != list(prompts):
+            share.check_prompts(self._step // self._micro_steps_per_generation, [])  # raises, naming the batch
+        fields = episodes[0].rollout_fields
+        return {
+            "prompt_ids": [e.prompt_ids for e in episodes],
+            "completion_ids": [e.completion_ids for e in episodes],
+            "logprobs": [e.logprobs for e in episodes],
+            **{
+                key: [e.rollout_fields[key] for e in episodes] if key in episodes[0].rollout_fields_per_row else value
+                for key, value in fields.items()
+            },
+        }
 
     def _tool_call_loop(self, prompts, prompt_ids, completion_ids, completions, logprobs, images, multimodal_fields):
         if self._scoring is None or self._scoring.share is None:

@@ -65,7 +65,11 @@ class AsyncRollout:
         self.plans = None  # per process served: iterator over its future generation batches, in sampler order
         self.submitted = 0  # generation batches handed to the producer so far
         self.sends_adapter = False  # the vLLM server gets the LoRA adapter alone (lora_weight_sync)
-        self.plays_episodes = bool(trainer.tools) or trainer.environment_factories is not None
+        self.plays_episodes = (
+            bool(trainer.tools)
+            or trainer.environment_factories is not None
+            or getattr(trainer, "_user_rollout_func", None) is not None
+        )
         self.current: GeneratedShare | None = None  # the share being scored (environments' recorded observations)
 
     @property

@@ -61,6 +61,10 @@ class Episode:
     environment_name: str | None = None  # the row's `environment` (a dict of factories), else None
     observation: object | None = None  # what `reset` returned (None: nothing appended)
     tool_s: float = 0.0  # seconds this episode spent waiting for its tools
+    # rollout_func: its output's other fields (`env_mask`, reward fields): this row's value of each per-row list
+    # (those named in `rollout_fields_per_row`), the whole value of the others
+    rollout_fields: dict | None = None
+    rollout_fields_per_row: set | None = None
 
 
 class EpisodesStopped(BaseException):
@@ -108,6 +112,7 @@ class EpisodeRunner:
         self.tool_timeout_s = tool_timeout_s
         self.tools = list(trainer.tools or [])
         self._standalone_tools = list(trainer._standalone_tools or [])
+        self.rollout_func = getattr(trainer, "_user_rollout_func", None)  # the user's, not the trainer's hook
         self._multi_environment = bool(getattr(trainer, "_multi_environment", False))
         factories = trainer.environment_factories
         self.environments = (
@@ -128,6 +133,8 @@ class EpisodeRunner:
         """Play every row's episode; `generate_turn(prompt_ids)` (called here, in the producer thread) generates one
         turn for several episodes at once and returns (ids, log-probs, versions) per row. Raises `EpisodesStopped` once
         `abort` is called; re-raises the first error of an episode (user code included: `reset`, a factory)."""
+        if self.rollout_func is not None:
+            return self._run_rollout_func(rows, generate_turn)
         turns = self._turns = queue.SimpleQueue()
         futures = [self._workers.submit(self._play, row, turns) for row in rows]
         for future in futures:
@@ -198,6 +205,54 @@ class EpisodeRunner:
                 RuntimeWarning,
                 stacklevel=2,
             )
+
+    def _run_rollout_func(self, rows: list[dict], generate_turn) -> list[Episode]:
+        """A batch through the user's `rollout_func`, called here (the producer thread) as TRL calls it, with a view of
+        the trainer whose `a3po_generate` generates with the version the producer holds: the one version every token
+        of the batch gets (no version is loaded during the call). A rollout_func that generates elsewhere (its own
+        server, TRL's vLLM client) cannot say which weights sampled its tokens: refused."""
+        view = _RolloutFuncView(self, generate_turn)
+        prompts = [copy.deepcopy(row["prompt"]) for row in rows]
+        output = self.rollout_func(prompts, view)
+        missing = {"prompt_ids", "completion_ids", "logprobs"} - set(output)
+        if missing:
+            raise ValueError(f"rollout_func must return keys {sorted(missing)} in its output dict.")
+        if len(output["completion_ids"]) != len(rows):
+            raise ValueError(
+                f"rollout_func returned {len(output['completion_ids'])} completions for {len(rows)} prompts: with "
+                "async_generation=True it must return one completion per prompt it is given (the prompts arrive "
+                "repeated num_generations times, as the trainer's rows)."
+            )
+        masks = output.get("env_mask") or [[1] * len(ids) for ids in output["completion_ids"]]
+        sampled = sum(map(sum, masks))  # model tokens (env_mask 1: TRL's tool_mask); the rest came from elsewhere
+        if view.version is None or sampled > view.generated_tokens:
+            raise ValueError(
+                "with async_generation=True a rollout_func must generate through `trainer.a3po_generate(prompt_ids)`, "
+                "which samples with the producer's weights and records their policy version: this one returned "
+                f"{sampled} model tokens but generated {view.generated_tokens} that way (it calls another server or "
+                "TRL's vLLM client, whose weights' version is unknown). Generate with `trainer.a3po_generate`, or set "
+                "async_generation=False."
+            )
+        extra = {k: v for k, v in output.items() if k not in ("prompt_ids", "completion_ids", "logprobs")}
+        per_row = {k for k, v in extra.items() if isinstance(v, list) and len(v) == len(rows)}
+        return [
+            Episode(
+                prompt=prompt,
+                prompt_ids=list(prompt_ids),
+                first_turn_ids=list(ids),
+                first_turn_logprobs=list(logprobs),
+                completion_ids=list(ids),
+                logprobs=list(logprobs),
+                versions=[view.version] * len(ids),
+                tool_mask=None,
+                completions=[],
+                rollout_fields={k: (v[row] if k in per_row else v) for k, v in extra.items()},
+                rollout_fields_per_row=per_row,
+            )
+            for row, (prompt, prompt_ids, ids, logprobs) in enumerate(
+                zip(prompts, output["prompt_ids"], output["completion_ids"], output["logprobs"])
+            )
+        ]
 
     # ------------------------------------------------------------------ worker threads (one episode each)
 
@@ -421,3 +476,28 @@ def with_observation(prompt: list, observation) -> list:
     if isinstance(observation, str) and isinstance(content, list):
         observation = [{"type": "text", "text": observation}]
     return prompt[:-1] + [{**prompt[-1], "content": content + observation}]
+
+
+class _RolloutFuncView:
+    """The trainer a `rollout_func` gets in the producer: `a3po_generate` samples with the producer's weights (one
+    version for the whole call); every other attribute is the trainer's (read it, do not change it: the main thread
+    trains meanwhile)."""
+
+    def __init__(self, runner: EpisodeRunner, generate_turn):
+        self._runner, self._generate_turn = runner, generate_turn
+        self.version: int | None = None  # the version every token of this call was sampled with
+        self.generated_tokens = 0
+
+    def a3po_generate(self, prompt_ids: list[list[int]]) -> tuple[list[list[int]], list[list[float]]]:
+        ids, logprobs, versions = self._generate_turn([list(p) for p in prompt_ids], switch=False)
+        held = {v for row in versions for v in row}
+        self.version = next(iter(held), self.version)
+        self.generated_tokens += sum(map(len, ids))
+        return ids, logprobs
+
+    @property
+    def processing_class(self):
+        return self._runner.tokenizer()
+
+    def __getattr__(self, name):
+        return getattr(self._runner._trainer, name)

@@ -283,11 +283,12 @@ class GenerationQueue:
         """A batch of multi-turn rows: the episode runner plays them, asking this thread for their turns."""
         start, switch_s = time.perf_counter(), 0.0
 
-        def generate_turn(prompt_ids):
+        def generate_turn(prompt_ids, switch: bool = True):
+            """`switch`: a newer version may serve this turn (between turns; False: the version held now)."""
             nonlocal switch_s
-            if self._turn_updates:  # a continuation is a new request: a newer version may serve it
+            if switch and self._turn_updates:  # a continuation is a new request: a newer version may serve it
                 switch_s += self._load_weights_for(request.min_version)
-            if self._inflight:
+            if switch and self._inflight:
                 ids, logprobs, versions, seconds = self._generate_across_versions(
                     _Request(request.index, prompt_ids, request.min_version)
                 )
