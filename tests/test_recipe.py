@@ -232,7 +232,10 @@ def test_without_config_the_recipe_takes_the_yaml_for_the_hardware(monkeypatch, 
     assert args.use_cpu and not args.bf16 and args.async_generation and args.prox_logp_method == "loglinear"
 
 
-@pytest.mark.parametrize("script,expected", [("gsm8k.py", "--prox_logp_method"), ("eval_gsm8k.py", "--vllm-url")])
+@pytest.mark.parametrize(
+    "script,expected",
+    [("gsm8k.py", "--prox_logp_method"), ("eval_gsm8k.py", "--vllm-url"), ("gsm8k_tools.py", "--tool_timeout_s")],
+)
 def test_help_prints(script, expected):
     # argparse formats help texts with %: a bare % in a field's help crashed `--help`
     result = subprocess.run(
@@ -259,3 +262,84 @@ def test_config_help_texts_quote_no_measurements():
     for f in fields(A3POConfig):
         if f.name in own:
             assert not re.search(r"\d(\.\d+)?x\b|\d%", f.metadata["help"]), f.name
+
+
+def load_recipe(name):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, REPO / "recipes" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_tool_recipes_calculator_evaluates_arithmetic_only():
+    calculator = load_recipe("gsm8k_tools").calculator
+    assert calculator("(48 + 24) / 2") == "36"
+    assert calculator("1,200 * 3 - 7 // 2") == "3597"
+    assert calculator("10 / 4") == "2.5" and calculator("-2 ** 3") == "-8"
+    for bad in ("__import__('os').system('ls')", "x + 1", "2 ** 1000", "[1, 2]"):
+        with pytest.raises((ValueError, SyntaxError)):
+            calculator(bad)
+
+
+def test_the_tool_recipe_trains_with_its_tool_generated_ahead(tmp_path, tool_tokenizer, tool_model_weights):
+    from conftest import tool_model_saved
+
+    model_dir = tool_model_saved(tmp_path / "model", tool_tokenizer, tool_model_weights)
+    run(
+        [
+            sys.executable,
+            str(REPO / "recipes" / "gsm8k_tools.py"),
+            "--config",
+            str(REPO / "recipes" / "gsm8k_tools.yaml"),
+            "--model_name_or_path",
+            str(model_dir),
+            "--dtype",
+            "float32",
+            "--dataset_name",
+            str(GSM8K),
+            "--train_limit",
+            "16",
+            "--output_dir",
+            str(tmp_path / "out"),
+            "--max_steps",
+            "4",
+            "--per_device_train_batch_size",
+            "4",
+            "--gradient_accumulation_steps",
+            "1",
+            "--steps_per_generation",
+            "2",
+            "--max_completion_length",
+            "64",
+            "--rollout_backend",
+            "inprocess",
+            "--use_cpu",
+            "true",
+            "--bf16",
+            "false",
+            "--gradient_checkpointing",
+            "false",
+            "--save_strategy",
+            "no",
+        ]
+    )
+    history = trainer_log(tmp_path / "out")
+    batches = [h for h in history if "tools/call_frequency" in h]
+    assert len(batches) == 2 and all("a3po/tools/wait_s" in h for h in batches)  # per generation batch: TRL's, ours
+    staleness = [h["a3po/staleness/max"] for h in history if "a3po/staleness/max" in h]
+    assert len(staleness) == 4 and staleness[:2] == [0, 0] and max(staleness) <= 2
+
+
+def test_the_tool_recipes_gpu_config_parses():
+    from trl import ModelConfig, TrlParser
+
+    from trl_a3po import A3POConfig
+
+    script, args, model = TrlParser(
+        (load_recipe("gsm8k_tools").ScriptArguments, A3POConfig, ModelConfig)
+    ).parse_args_and_config(args=["--config", str(REPO / "recipes" / "gsm8k_tools.yaml"), "--output_dir", "unused"])
+    assert model.model_name_or_path == "Qwen/Qwen2.5-1.5B-Instruct"
+    assert (args.max_tool_calling_iterations, args.tool_timeout_s, args.turn_weight_updates) == (4, 10.0, True)
+    assert args.async_generation and args.rollout_backend == "vllm_server"
