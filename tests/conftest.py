@@ -107,17 +107,17 @@ def tool_question(i: int) -> list[dict]:
     return [{"role": "user", "content": f"Question {i}: What is 3 + 4?"}]
 
 
-def make_tool_model(tokenizer, steps: int = 250):
+def make_tool_model(tokenizer, steps: int = 250, hidden_size: int = 64, layers: int = 2):
     """A tiny model taught (supervised, on CPU, in seconds) to answer `tool_question`s by calling `add(3, 4)` one to
     three times before "The answer is 7.": sampled at temperature 1 it makes one to several calls per episode, now
     and then a malformed one."""
     torch.manual_seed(0)
     config = Qwen2Config(
         vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=2,  # head size 32: one vLLM's CPU attention supports (the server tests serve it)
+        hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size,
+        num_hidden_layers=layers,
+        num_attention_heads=hidden_size // 32,  # head size 32: one vLLM's CPU attention supports (the server tests)
         num_key_value_heads=1,
         max_position_embeddings=1024,
         tie_word_embeddings=True,
