@@ -296,6 +296,38 @@ def test_environments_are_played_ahead_and_score_their_own_episodes(tmp_path, to
     assert agentic_threads() == []
 
 
+def test_tool_calls_of_different_episodes_run_at_the_same_time(tmp_path, tool_tokenizer, tool_model):
+    """A tool that waits (2 s at most) until another call is inside it too: with tool calls run one after another, as
+    TRL's loop runs them, no call would ever see another."""
+    inside, met, changed = [0], [], threading.Condition()
+
+    def add(a: int = 0, b: int = 0) -> int:  # (defaults: the model's calls that miss an argument count too)
+        """Add two integers.
+
+        Args:
+            a: The first integer.
+            b: The second integer.
+        """
+        with changed:
+            inside[0] += 1
+            changed.notify_all()
+            if changed.wait_for(lambda: inside[0] >= 2, timeout=2):
+                met.append(threading.current_thread().name)
+            inside[0] -= 1
+        return a + b
+
+    trainer = A3POTrainer(
+        tool_model,
+        reward_prompts([]),
+        args=config(tmp_path, max_steps=4),
+        train_dataset=tool_dataset(),
+        processing_class=tool_tokenizer,
+        tools=[add],
+    )
+    trainer.train()
+    assert len(met) >= 2  # calls that found another call inside the tool at the same time
+
+
 class _FailWhileAToolRuns(TrainerCallback):
     """At the second optimizer step, once a tool call is running, the optimizer step raises or a SIGINT lands."""
 
