@@ -87,9 +87,9 @@ class EnvironmentPool:
     trainer has scored it, created by the factory when none is free (TRL's "construct once, reset often", with as many
     instances as episodes in flight). The lock guards the free lists alone."""
 
-    def __init__(self, factories: dict, seed_instances: dict | None = None):
+    def __init__(self, factories: dict):
         self._factories = factories
-        self._free = {name: list((seed_instances or {}).get(name, [])) for name in factories}
+        self._free = {name: [] for name in factories}
         self._lock = threading.Lock()
 
     def acquire(self, name):
@@ -107,7 +107,7 @@ class EpisodeRunner:
     """Plays the episodes of one generation batch at a time, in the producer (see the module's docstring). Built on
     the trainer's main thread (it reads the trainer's tool and template settings there, once)."""
 
-    def __init__(self, trainer, tool_timeout_s: float, max_concurrent: int, version_of_turns: bool = True):
+    def __init__(self, trainer, tool_timeout_s: float, max_concurrent: int):
         self._trainer = trainer
         self.tool_timeout_s = tool_timeout_s
         self.tools = list(trainer.tools or [])
@@ -115,11 +115,8 @@ class EpisodeRunner:
         self.rollout_func = getattr(trainer, "_user_rollout_func", None)  # the user's, not the trainer's hook
         self._multi_environment = bool(getattr(trainer, "_multi_environment", False))
         factories = trainer.environment_factories
-        self.environments = (
-            EnvironmentPool(factories, {n: list(p) for n, p in trainer._environment_pool.items()})
-            if factories is not None
-            else None
-        )
+        # Instances of its own (TRL's pool stays the training thread's: evaluation resets and plays it there).
+        self.environments = EnvironmentPool(factories) if factories is not None else None
         self._workers = concurrent.futures.ThreadPoolExecutor(max_concurrent, thread_name_prefix="a3po-episode")
         self._local = threading.local()  # per worker thread: its own copy of the tokenizer
         self._turns: queue.SimpleQueue | None = None  # the running batch's turn requests (workers -> producer)
