@@ -111,23 +111,14 @@ def make_tool_model(tokenizer, steps: int = 250, hidden_size: int = 64, layers: 
     """A tiny model taught (supervised, on CPU, in seconds) to answer `tool_question`s by calling `add(3, 4)` one to
     three times before "The answer is 7.": sampled at temperature 1 it makes one to several calls per episode, now
     and then a malformed one."""
-    torch.manual_seed(0)
-    config = Qwen2Config(
-        vocab_size=len(tokenizer),
+    model = make_model(
+        tokenizer,
         hidden_size=hidden_size,
-        intermediate_size=2 * hidden_size,
-        num_hidden_layers=layers,
-        num_attention_heads=hidden_size // 32,  # head size 32: one vLLM's CPU attention supports (the server tests)
-        num_key_value_heads=1,
-        max_position_embeddings=1024,
-        tie_word_embeddings=True,
-        pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        bos_token_id=None,
+        layers=layers,
+        heads=hidden_size // 32,  # head size 32: one vLLM's CPU attention supports (the server tests serve it)
+        kv_heads=1,
+        max_positions=1024,  # the tool prompt (the template's tool block) is about 230 tokens
     )
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    model.generation_config.pad_token_id = tokenizer.pad_token_id
-    model.generation_config.eos_token_id = tokenizer.eos_token_id
     call = {"type": "function", "function": {"name": "add", "arguments": {"a": 3, "b": 4}}}
 
     def render(messages, **kwargs):
@@ -209,16 +200,16 @@ class DoublingEnvironment(AddingEnvironment):
         return 2.0 * self.added
 
 
-def make_model(tokenizer, seed: int = 0):
+def make_model(tokenizer, seed: int = 0, hidden_size=32, layers=2, heads=4, kv_heads=2, max_positions=256):
     torch.manual_seed(seed)
     config = Qwen2Config(
         vocab_size=len(tokenizer),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
+        hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=max_positions,
         tie_word_embeddings=True,
         pad_token_id=tokenizer.pad_token_id,
         eos_token_id=tokenizer.eos_token_id,

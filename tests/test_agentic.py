@@ -53,22 +53,28 @@ class ToolCalls:
             self.threads.append(threading.current_thread().name)
 
 
-def sync_add(calls: ToolCalls):
-    def add(a: int, b: int) -> int:
+def add_tool(on_call):
+    """TRL's tool `add` (the tool model's), calling `on_call()` (the test's probe: record, raise, wait) first."""
+
+    def add(a: int = 0, b: int = 0) -> int:
         """Add two integers.
 
         Args:
             a: The first integer.
             b: The second integer.
         """
-        calls.record()
+        on_call()
         return a + b
 
     return add
 
 
+def sync_add(calls: ToolCalls):
+    return add_tool(calls.record)
+
+
 def async_add(calls: ToolCalls):
-    async def add(a: int, b: int) -> int:
+    async def add(a: int = 0, b: int = 0) -> int:
         """Add two integers.
 
         Args:
@@ -211,20 +217,13 @@ def test_failed_tool_calls_are_counted_and_never_hang_the_producer(tmp_path, too
     Each is a failed call as TRL counts it (the model sees the error), and training goes on."""
     calls, release = ToolCalls(), threading.Event()
 
-    def add(a: int, b: int) -> int:
-        """Add two integers.
-
-        Args:
-            a: The first integer.
-            b: The second integer.
-        """
+    def misbehave():
         calls.record()
         n = len(calls.threads)
         if n % 3 == 1:
             raise ValueError("the calculator is broken")
         if n % 3 == 2:
             release.wait(2)  # hangs past the timeout (then ends: a daemon thread nobody waits for)
-        return a + b
 
     trainer = A3POTrainer(
         tool_model,
@@ -232,7 +231,7 @@ def test_failed_tool_calls_are_counted_and_never_hang_the_producer(tmp_path, too
         args=config(tmp_path, tool_timeout_s=0.3),
         train_dataset=tool_dataset(),
         processing_class=tool_tokenizer,
-        tools=[add],
+        tools=[add_tool(misbehave)],
     )
     start = time.perf_counter()
     try:
@@ -301,20 +300,13 @@ def test_tool_calls_of_different_episodes_run_at_the_same_time(tmp_path, tool_to
     TRL's loop runs them, no call would ever see another."""
     inside, met, changed = [0], [], threading.Condition()
 
-    def add(a: int = 0, b: int = 0) -> int:  # (defaults: the model's calls that miss an argument count too)
-        """Add two integers.
-
-        Args:
-            a: The first integer.
-            b: The second integer.
-        """
+    def meet():
         with changed:
             inside[0] += 1
             changed.notify_all()
             if changed.wait_for(lambda: inside[0] >= 2, timeout=2):
                 met.append(threading.current_thread().name)
             inside[0] -= 1
-        return a + b
 
     trainer = A3POTrainer(
         tool_model,
@@ -322,7 +314,7 @@ def test_tool_calls_of_different_episodes_run_at_the_same_time(tmp_path, tool_to
         args=config(tmp_path, max_steps=4),
         train_dataset=tool_dataset(),
         processing_class=tool_tokenizer,
-        tools=[add],
+        tools=[add_tool(meet)],
     )
     trainer.train()
     assert len(met) >= 2  # calls that found another call inside the tool at the same time
@@ -355,18 +347,11 @@ def test_a_failure_while_a_tool_runs_ends_train_fast_with_no_thread_left(
         request.addfinalizer(lambda: signal.signal(signal.SIGINT, previous))
     running, calls = threading.Event(), ToolCalls()
 
-    def add(a: int, b: int) -> int:
-        """Add two integers.
-
-        Args:
-            a: The first integer.
-            b: The second integer.
-        """
+    def slow_from_the_third_call():  # a slow API
         calls.record()
-        if len(calls.threads) > 2:  # a slow API, from the third call on
+        if len(calls.threads) > 2:
             running.set()
             threading.Event().wait(3)
-        return a + b
 
     trainer = A3POTrainer(
         tool_model,
@@ -374,7 +359,7 @@ def test_a_failure_while_a_tool_runs_ends_train_fast_with_no_thread_left(
         args=config(tmp_path, max_steps=16),
         train_dataset=tool_dataset(),
         processing_class=tool_tokenizer,
-        tools=[add],
+        tools=[add_tool(slow_from_the_third_call)],
     )
     failing = _FailWhileAToolRuns(how, running)
     trainer.add_callback(failing)
