@@ -186,15 +186,9 @@ class EpisodeRunner:
         self._workers.shutdown(wait=True, cancel_futures=True)
         with self._tool_threads_lock:
             running = list(self._tool_threads)
-        deadline = threading.Event()
-        timer = threading.Timer(timeout, deadline.set)
-        timer.start()
-        try:
-            for thread in running:
-                while thread.is_alive() and not deadline.is_set():
-                    thread.join(0.05)
-        finally:
-            timer.cancel()
+        deadline = time.monotonic() + timeout
+        for thread in running:
+            thread.join(max(0.0, deadline - time.monotonic()))
         alive = [t.name for t in running if t.is_alive()]
         if alive:
             warnings.warn(
