@@ -310,3 +310,28 @@ def test_gpu_check_runs_end_to_end_on_cpu_with_tiny_shapes():
     prox_mean = {method: float(values[3]) for method, values in rows.items() if method != "sync"}
     assert prox_mean["recompute"] > prox_mean["loglinear"]  # a forward pass vs an element-wise interpolation
     assert "ratios: wall sync/loglinear" in result.stdout and "model=tiny-shape device=cpu" in result.stdout
+
+
+def test_agentic_benchmark_table_reports_means_and_ratios_to_sync():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("agentic", REPO / "benchmarks" / "agentic.py")
+    agentic = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(agentic)
+    run = dict(
+        trainer_wait_s=1.0,
+        producer_idle_share=0.5,
+        hidden_share=0.25,
+        tool_s=3.0,
+        calls_per_episode=1.5,
+        token_staleness=0.0,
+        versions_per_episode=1.0,
+    )
+    results = [
+        {**run, "arm": "sync", "repeat": 0, "wall_s": 10.0},
+        {**run, "arm": "sync", "repeat": 1, "wall_s": 14.0},
+        {**run, "arm": "a3po", "repeat": 0, "wall_s": 9.0, "token_staleness": 1.5},
+    ]
+    rows = agentic.table(results).splitlines()
+    assert rows[2] == "| sync | 2 | 12.0 | 1.00 | 1.0 | 50% | 25% | 3.0 | 1.50 | 0.00 | 1.00 |"
+    assert rows[3] == "| a3po | 1 | 9.0 | 0.75 | 1.0 | 50% | 25% | 3.0 | 1.50 | 1.50 | 1.00 |"
