@@ -295,9 +295,12 @@ def tool_model_weights(tool_tokenizer):
 
 @pytest.fixture
 def tool_model(tool_tokenizer, tool_model_weights):
+    """In float64: episodes are long (a 230-token tool prompt, several turns), and in float32 a batched, left-padded,
+    KV-cached generation and a full forward of the same weights already differ by ~2e-5 in a token's log-prob, more
+    than the 1e-5 the per-token version checks resolve."""
     model = make_tool_model(tool_tokenizer, steps=0)
     model.load_state_dict(tool_model_weights)
-    return model
+    return model.to(torch.float64)
 
 
 @pytest.fixture

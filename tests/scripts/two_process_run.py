@@ -137,7 +137,8 @@ elif agentic:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     port, model_dir = int(sys.argv[3]), sys.argv[4]
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    # float64 in the trainer (and the in-process generator): long episodes (conftest's `tool_model`)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float64)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     dataset = Dataset.from_dict({"prompt": [tool_question(i) for i in range(48)]})
     if mode.startswith("vllm"):
