@@ -23,12 +23,57 @@ def local_vllm_server(
     timeout_s: float = 600,
     dev_mode: bool = True,
     extra_args: tuple[str, ...] = (),
+    launcher: str = "trl",
 ):
-    """A vLLM server on this machine for `model_dir` (the tests and `benchmarks/learning.py` start one), with
-    the flags this backend needs: dev mode for the disk transport's `/collective_rpc`, processed log-probs. Yields
-    its base URL once `/health` answers; on exit stops its whole process group, so vLLM's engine and worker
-    processes do not outlive it. `python` is a Python that has vLLM (`.venv-vllm/bin/python`); caches, RPC sockets
-    and `server.log` go to `workdir`."""
+    """A vLLM server on this machine for `model_dir` (the tests and `benchmarks/learning.py` start one), started the
+    way a TRL user starts it: `trl vllm-serve` (`launcher="trl"`: dev mode, processed log-probs, the NCCL
+    weight-transfer engine, `--max-logprobs -1`). `launcher="vllm"` runs vLLM's server module with dev mode as
+    `dev_mode` says and processed log-probs, and nothing else (for the tests of servers started without what the
+    backend needs). Yields its base URL once `/health` answers; on exit stops its whole process group, so vLLM's
+    engine and worker processes do not outlive it. `python` is a Python that has vLLM and TRL
+    (`.venv-vllm/bin/python`, scripts/install_vllm_cpu.sh); caches, RPC sockets and `server.log` go to `workdir`."""
+    if launcher == "trl":
+        if not dev_mode:
+            raise ValueError("`trl vllm-serve` always sets VLLM_SERVER_DEV_MODE=1: use launcher='vllm' without it")
+        command = [
+            os.path.join(os.path.dirname(python), "trl"),
+            "vllm-serve",
+            "--model",
+            str(model_dir),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--dtype",
+            "float32",
+            "--max_model_len",
+            str(max_model_len),
+            "--enforce_eager",
+            "true",
+        ]
+    elif launcher == "vllm":
+        command = [
+            python,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--model",
+            str(model_dir),
+            "--dtype",
+            "float32",
+            "--max-model-len",
+            str(max_model_len),
+            "--enforce-eager",
+            "--logprobs-mode",
+            "processed_logprobs",
+            "--max-logprobs",
+            "-1",
+        ]
+    else:
+        raise ValueError(f"launcher={launcher!r}: 'trl' or 'vllm'")
     for folder in ("cache", "rpc"):
         os.makedirs(os.path.join(workdir, folder), exist_ok=True)
     env = {
@@ -42,27 +87,7 @@ def local_vllm_server(
     log_path = os.path.join(workdir, "server.log")
     with open(log_path, "w") as log:
         server = subprocess.Popen(
-            [
-                python,
-                "-m",
-                "vllm.entrypoints.openai.api_server",
-                "--host",
-                "127.0.0.1",
-                "--port",
-                str(port),
-                "--model",
-                str(model_dir),
-                "--dtype",
-                "float32",
-                "--max-model-len",
-                str(max_model_len),
-                "--enforce-eager",
-                "--logprobs-mode",
-                "processed_logprobs",
-                "--max-logprobs",
-                "-1",
-                *extra_args,
-            ],
+            [*command, *extra_args],
             stdout=log,
             stderr=subprocess.STDOUT,
             env=env,

@@ -143,7 +143,12 @@ def test_a_generation_batch_must_end_on_an_optimizer_step(tmp_path, kwargs):
             ),
             r"must be a multiple of\s+gradient_accumulation_steps",
         ),
-        (dict(async_generation=True, use_vllm=True), r"rollout_backend='vllm_server'"),
+        # GRPOConfig's default vllm_mode: vLLM inside the training process, not generated ahead (yet)
+        (dict(use_vllm=True), r"vllm_mode='colocate' .*trl vllm-serve --model MODEL.*async_generation=False"),
+        (
+            dict(use_vllm=True, vllm_mode="server", rollout_backend="inprocess"),
+            r"rollout_backend='inprocess' asks for another generator",
+        ),
         (dict(async_generation=False, rollout_backend="vllm_server"), r"use TRL's own use_vllm=True"),
         (dict(rollout_backend="sglang"), r"rollout_backend='sglang' is not supported"),
         (dict(weight_sync_transport="rdma"), r"weight_sync_transport='rdma'"),
@@ -158,6 +163,23 @@ def test_generation_settings_are_validated(tmp_path, kwargs, pattern):
 def test_async_is_on_by_default_only_for_the_decoupled_loss(tmp_path):
     assert make(tmp_path).async_generation is True
     assert make(tmp_path, use_decoupled_loss=False).async_generation is False
+    assert make(tmp_path).rollout_backend == "inprocess"
+
+
+def test_trls_vllm_server_config_generates_ahead_on_that_server(tmp_path):
+    # A TRL user's config, one import changed: asynchronous, on their server; GRPOTrainer's own (synchronous) vLLM
+    # client is not built, so TRL's `use_vllm` reads False once the producer owns the server.
+    config = make(tmp_path, use_vllm=True, vllm_mode="server", vllm_server_port=8123)
+    assert config.async_generation and config.rollout_backend == "vllm_server" and not config.use_vllm
+    assert (config.max_staleness, config.vllm_server_port) == (2, 8123)
+    assert not config.vllm_importance_sampling_correction  # the behaviour weight corrects for the sampler
+    # no generation ahead asked for: TRL's own synchronous vLLM path, as before
+    for kwargs in (dict(async_generation=False), dict(max_staleness=0)):
+        config = make(tmp_path, use_vllm=True, vllm_mode="server", **kwargs)
+        assert not config.async_generation and config.use_vllm and config.rollout_backend == "inprocess"
+    # the coupled loss stays synchronous (TRL's own path)
+    config = make(tmp_path, use_vllm=True, vllm_mode="server", use_decoupled_loss=False)
+    assert not config.async_generation and config.use_vllm
 
 
 def test_the_docstring_documents_every_field_a3po_adds_in_trls_format():

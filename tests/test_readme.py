@@ -31,19 +31,28 @@ def server_commands(text: str) -> list[str]:
     """Every vLLM server command in a text (README, yaml comments), its continuation lines joined."""
     joined = re.sub(r"\\\n[#\s]*", " ", text)
     return [
-        line for line in joined.splitlines() if "vllm serve " in line or "vllm.entrypoints.openai.api_server" in line
+        line
+        for line in joined.splitlines()
+        if "vllm serve " in line or "trl vllm-serve " in line or "vllm.entrypoints.openai.api_server" in line
     ]
 
 
 def test_every_server_command_carries_what_the_start_up_probe_checks():
-    from trl_a3po.rollout.vllm_server import NCCL_FLAG, SERVER_COMMAND
+    from trl_a3po.rollout.vllm_server import NCCL_FLAG, SERVER_COMMAND, TRL_SERVE_COMMAND
 
+    texts = [(REPO / "recipes" / name).read_text() for name in ("gsm8k.yaml", "gsm8k_tools.yaml")]
     readme_blocks = "\n".join(re.findall(r"```bash\n(.*?)```", (REPO / "README.md").read_text(), re.S))
-    commands = server_commands(readme_blocks) + server_commands((REPO / "recipes" / "gsm8k.yaml").read_text())
-    assert len(commands) >= 3, commands
+    commands = server_commands(readme_blocks) + [c for text in texts for c in server_commands(text)]
+    assert len(commands) >= 4, commands
+    # TRL's command sets dev mode, processed log-probs and the NCCL engine itself; its default host is 0.0.0.0
+    trl_serve = [c for c in commands if "trl vllm-serve " in c]
+    assert len(trl_serve) >= 3 and "trl vllm-serve" in readme_blocks.split("vllm serve")[0]  # shown first
+    assert "--host 127.0.0.1" in TRL_SERVE_COMMAND and all("--host 127.0.0.1" in c for c in trl_serve), trl_serve
     probe_flags = ["VLLM_SERVER_DEV_MODE=1", "--host 127.0.0.1", "--logprobs-mode processed_logprobs"]
-    assert all(flag in SERVER_COMMAND for flag in probe_flags)  # the command the probe's errors print
+    assert all(flag in SERVER_COMMAND for flag in probe_flags + [NCCL_FLAG.strip()])  # printed by the probe's errors
     for command in commands:
+        if "trl vllm-serve " in command:
+            continue
         for flag in probe_flags:
             assert flag in command, (flag, command)
         if "vllm serve " in command:  # the GPU commands: NCCL weight transfer

@@ -313,8 +313,8 @@ def test_the_tool_recipe_trains_with_its_tool_generated_ahead(tmp_path, tool_tok
             "2",
             "--max_completion_length",
             "64",
-            "--rollout_backend",
-            "inprocess",
+            "--use_vllm",  # the yaml's server, replaced by the in-process generator
+            "false",
             "--use_cpu",
             "true",
             "--bf16",
@@ -344,4 +344,5 @@ def test_the_tool_recipes_gpu_config_parses():
     )
     assert model.model_name_or_path == "Qwen/Qwen2.5-1.5B-Instruct"
     assert (args.max_tool_calling_iterations, args.tool_timeout_s, args.turn_weight_updates) == (4, 10.0, True)
-    assert args.async_generation and args.rollout_backend == "vllm_server"
+    # TRL's use_vllm=True, vllm_mode='server': generated ahead on the server, TRL's own vLLM client not built
+    assert args.async_generation and args.rollout_backend == "vllm_server" and not args.use_vllm

@@ -86,7 +86,8 @@ def test_a_stalled_server_raises_within_vllm_server_timeout(tmp_path, tokenizer,
         (
             dict(dev_mode=False),
             "disk",
-            r"without VLLM_SERVER_DEV_MODE=1.*/collective_rpc.*VLLM_SERVER_DEV_MODE=1 vllm "
+            r"without VLLM_SERVER_DEV_MODE=1.*/collective_rpc.*`trl vllm-serve --model MODEL --host 127.0.0.1 "
+            r"--port \d+` \(or, without TRL on the server's machine, `VLLM_SERVER_DEV_MODE=1 vllm "
             r"serve MODEL --host 127.0.0.1",
         ),
         (dict(dev_mode=False), "nccl", r"without VLLM_SERVER_DEV_MODE=1.*--weight-transfer-config"),

@@ -76,8 +76,8 @@ def vllm_server(tmp_path_factory):
     make_server_model(tokenizer).save_pretrained(model_dir)
     tokenizer.save_pretrained(model_dir)
     port = free_port()
-    # The NCCL weight-transfer engine is configured (the probe checks it for the nccl transport's stand-in test);
-    # it is only opened by /init_weight_transfer_engine, which no test here calls.
+    # Started as a TRL user starts it: `trl vllm-serve` (the NCCL weight-transfer engine is configured; it is only
+    # opened by /init_weight_transfer_engine, which no test here calls).
     with local_vllm_server(
         python,
         str(model_dir),
@@ -86,12 +86,8 @@ def vllm_server(tmp_path_factory):
         max_model_len=512,
         timeout_s=300,
         env={"HF_HUB_OFFLINE": "1"},
-        extra_args=NCCL_SERVER_ARGS,
     ):
         yield {"port": port, "model_dir": model_dir, "tokenizer": tokenizer, "log": root / "server.log"}
-
-
-NCCL_SERVER_ARGS = ("--weight-transfer-config", '{"backend": "nccl"}')
 
 
 @pytest.fixture(scope="module")
@@ -114,9 +110,11 @@ def vllm_lora_server(vllm_server):
 
 
 def make_trainer(tmp_path, server, prompt_dataset, **kwargs):
+    # A TRL user's vLLM config, as it is: generated ahead on their server
     args = A3POConfig(
         output_dir=str(tmp_path),
-        rollout_backend="vllm_server",
+        use_vllm=True,
+        vllm_mode="server",
         vllm_server_port=server["port"],
         **{**COMMON, **kwargs},
     )
@@ -208,6 +206,9 @@ def test_async_training_on_the_vllm_server_respects_the_bound(
     trainer.train()
     staleness = logged(trainer, "a3po/staleness/max")
     assert len(staleness) == 8 and max(staleness) <= trainer.args.max_staleness == 2
+    assert trainer.args.rollout_backend == "vllm_server" and not trainer.args.use_vllm  # TRL's client not built
+    if not (inflight or continuous):  # the generator runs ahead to the bound (A-3PO's alpha 1/2 engages)
+        assert max(staleness) == 2
     # The version invariant: every sample's behaviour log-probs are those of the weights of its recorded version
     # (server-side sampling vs a trainer forward: float32 on both sides, different kernels).
     assert check_behaviour_logprobs_against_versions(trainer, versions, samples, atol=1e-3) == 8 * 4
@@ -321,6 +322,7 @@ def test_a_real_server_without_dev_mode_is_refused_before_the_first_step(tmp_pat
         timeout_s=300,
         env={"HF_HUB_OFFLINE": "1"},
         dev_mode=False,
+        launcher="vllm",
     ):
         trainer = make_trainer(
             tmp_path, {**vllm_server, "port": port}, prompt_dataset, max_steps=2, weight_sync_transport="disk"
@@ -328,7 +330,7 @@ def test_a_real_server_without_dev_mode_is_refused_before_the_first_step(tmp_pat
         with pytest.raises(
             VLLMServerSetupError,
             match=r"started without VLLM_SERVER_DEV_MODE=1.*Restart it with "
-            r"VLLM_SERVER_DEV_MODE=1 in its environment",
+            r"VLLM_SERVER_DEV_MODE=1 in its environment.*`trl vllm-serve --model MODEL --host 127.0.0.1",
         ):
             trainer.train()
         assert trainer.state.global_step == 0
@@ -347,7 +349,8 @@ def kill_server_group(port: int) -> None:
             cmdline = (Path("/proc") / pid / "cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
-        if b"vllm.entrypoints.openai.api_server" in cmdline and str(port).encode() in cmdline:
+        # `trl vllm-serve` runs vllm.entrypoints.cli.main; launcher="vllm" runs vllm.entrypoints.openai.api_server
+        if any(part.startswith(b"vllm.entrypoints.") for part in cmdline) and str(port).encode() in cmdline:
             os.killpg(int(pid), signal.SIGKILL)  # the server leads its own session: its pgid is its pid
 
 

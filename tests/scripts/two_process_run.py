@@ -144,7 +144,8 @@ elif agentic:
     dataset = Dataset.from_dict({"prompt": [tool_question(i) for i in range(48)]})
     if mode.startswith("vllm"):
         server = dict(
-            rollout_backend="vllm_server",
+            use_vllm=True,  # a TRL user's vLLM config: generated ahead on the server
+            vllm_mode="server",
             vllm_server_port=port,
             weight_sync_transport="disk",
             weight_sync_dir=str(out_dir / "weight_sync"),
@@ -155,7 +156,8 @@ elif mode.startswith("vllm"):
     port, model_dir = int(sys.argv[3]), sys.argv[4]
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     server = dict(
-        rollout_backend="vllm_server",
+        use_vllm=True,  # a TRL user's vLLM config: generated ahead on the server
+        vllm_mode="server",
         vllm_server_port=port,
         weight_sync_transport="nccl" if mode == "vllm-nccl-standin" else "disk",
         weight_sync_dir=str(out_dir / "weight_sync"),

