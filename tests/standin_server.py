@@ -16,7 +16,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 class StandinServer:
     """`completions`: "ok" (every row 2 tokens, finish_reason "length"), "error" (2 tokens per row, then an error
     event and [DONE]), "unfinished" (2 tokens per row, no finish_reason, [DONE]) or "stall" (headers, then nothing
-    for `stall_s`). `dev_mode`, `logprobs_mode`, `weight_transfer` and `version` shape /server_info and /version."""
+    for `stall_s`). `dev_mode`, `logprobs_mode`, `weight_transfer`, `replicas` and `version` shape /server_info and
+    /version."""
 
     ERROR_MESSAGE = "EngineCore encountered an issue: CUDA out of memory (stand-in)"
 
@@ -31,8 +32,10 @@ class StandinServer:
         restart_at=None,
         push_fails=False,
         lora=False,
+        replicas=1,
     ):
         self.completions, self.dev_mode, self.version = completions, dev_mode, version
+        self.replicas = replicas  # --data-parallel-size
         self.lora = lora  # started with --enable-lora --max-lora-rank 8 and runtime LoRA updating
         self.push_fails = push_fails  # /collective_rpc (the disk transport's reload) answers 500
         self.restart_at = restart_at  # the n-th completions request (1-based) finds a "restarted" server
@@ -74,6 +77,7 @@ class StandinServer:
                                 "model_config": {"logprobs_mode": standin.logprobs_mode},
                                 "weight_transfer_config": standin.weight_transfer,
                                 "lora_config": {"max_lora_rank": 8} if standin.lora else None,
+                                "parallel_config": {"data_parallel_size": standin.replicas},
                             },
                             "vllm_env": {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": standin.lora},
                         }

@@ -4,6 +4,7 @@ names what the server lacks before any weight moves. The real CPU server runs in
 import re
 import threading
 import time
+import warnings
 
 import pytest
 import torch
@@ -108,6 +109,13 @@ def test_a_stalled_server_raises_within_vllm_server_timeout(tmp_path, tokenizer,
             "nccl",
             r"trainer's vLLM 0.31.0 and the server's 0.27.1 speak different NCCL weight-update formats.*"
             r"pip install vllm==0.27.1",
+        ),
+        # vLLM < 0.32 seeds every data-parallel replica alike: a prompt's copies would come back as one sample
+        (
+            dict(replicas=2, version="0.31.0"),
+            "disk",
+            r"runs 2 data-parallel replicas on vLLM 0.31.0, whose replicas seed their samplers alike.*"
+            r"vLLM >= 0.32.*--data-parallel-size 1",
         ),
     ],
 )
@@ -301,3 +309,16 @@ def test_adapter_sync_refuses_an_unservable_lora_before_any_model_work(
         ),
     ):
         lora_trainer(server, tmp_path, tokenizer, prompt_dataset, "adapter", rank_pattern={"q_proj": 8})
+
+
+def test_the_probe_takes_a_data_parallel_server_from_032_and_warns_past_the_tested_releases(tmp_path):
+    args = A3POConfig(output_dir=str(tmp_path), rollout_backend="vllm_server", weight_sync_transport="disk", **COMMON)
+    with StandinServer(replicas=2, version="0.32.0") as server:
+        args.vllm_server_port = server.port
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # a tested release: nothing to warn about
+            VLLMServerBackend.from_config(args, eos_token_ids=[1]).close()
+    with StandinServer(version="0.34.0") as server:
+        args.vllm_server_port = server.port
+        with pytest.warns(UserWarning, match=r"runs vLLM 0.34.0; trl-a3po was tested with vLLM 0.31, 0.32"):
+            VLLMServerBackend.from_config(args, eos_token_ids=[1]).close()

@@ -1,7 +1,9 @@
 """The vLLM server backend against a real `vllm serve` (CPU build), started by the fixture on loopback."""
 
+import collections
 import contextlib
 import os
+import re
 import shutil
 import signal
 import tempfile
@@ -10,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+import requests
 import torch
 from transformers import AutoModelForCausalLM, Qwen2Config, TrainerCallback
 
@@ -109,7 +112,43 @@ def vllm_lora_server(vllm_server):
     shutil.rmtree(workdir, ignore_errors=True)
 
 
-def make_trainer(tmp_path, server, prompt_dataset, **kwargs):
+@contextlib.contextmanager
+def data_parallel_server(vllm_server, lora: bool):
+    """`trl vllm-serve --data_parallel_size 2` (how TRL's docs scale generation on one node): two engine replicas
+    behind vLLM's API server(s), which balance requests between them. With `lora`, adapters loadable at run time, which
+    vLLM allows behind one API server only (its default is one per replica)."""
+    port = free_port()
+    workdir = Path(tempfile.mkdtemp(prefix="vllm-", dir="/tmp"))  # engine sockets: a short path
+    env = {"HF_HUB_OFFLINE": "1"}
+    extra_args = ("--data_parallel_size", "2")
+    if lora:
+        env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
+        extra_args += ("--api-server-count", "1", "--enable-lora", "--max-lora-rank", "8", "--max-loras", "2")
+    with local_vllm_server(
+        vllm_python(),
+        str(vllm_server["model_dir"]),
+        port,
+        str(workdir),
+        max_model_len=512,
+        timeout_s=300,
+        env=env,
+        extra_args=extra_args,
+    ):
+        yield {**vllm_server, "port": port, "log": workdir / "server.log"}
+    shutil.rmtree(workdir, ignore_errors=True)
+
+
+def requests_finished_per_replica(server) -> collections.Counter:
+    """vLLM's Prometheus counters: the requests each data-parallel engine (replica) has finished, by its index."""
+    text = requests.get(f"http://127.0.0.1:{server['port']}/metrics", timeout=10).text
+    finished = collections.Counter()
+    for line in text.splitlines():
+        if line.startswith("vllm:request_success_total{"):
+            finished[re.search(r'engine="(\d+)"', line).group(1)] += float(line.rsplit(" ", 1)[1])
+    return finished
+
+
+def make_trainer(tmp_path, server, prompt_dataset, peft_config=None, **kwargs):
     # A TRL user's vLLM config, as it is: generated ahead on their server
     args = A3POConfig(
         output_dir=str(tmp_path),
@@ -125,6 +164,7 @@ def make_trainer(tmp_path, server, prompt_dataset, **kwargs):
         args=args,
         train_dataset=prompt_dataset,
         processing_class=server["tokenizer"],
+        peft_config=peft_config,
     )
 
 
@@ -564,3 +604,66 @@ def test_a_server_restarted_mid_run_never_trains_a_mislabelled_sample(tmp_path, 
     else:
         assert f"127.0.0.1:{port}" in failure
         assert "went away" in failure or "holds weights labelled" in failure, failure
+
+
+@pytest.mark.parametrize("sync", ["merged", "adapter"])
+def test_every_replica_of_a_data_parallel_server_serves_the_pushed_version(
+    tmp_path, vllm_server, prompt_dataset, sync
+):
+    # One push per version reaches both replicas (vLLM sends the reload, or the adapter, to every engine): every
+    # trained token's behaviour log-prob is its recorded version's, while both replicas answered rows after the
+    # weights had moved; the replicas' samplers are seeded apart, so no two samples of a prompt are one sample twice.
+    with data_parallel_server(vllm_server, lora=sync == "adapter") as server:
+        check_every_replica_serves_the_pushed_version(tmp_path, server, prompt_dataset, sync)
+
+
+def check_every_replica_serves_the_pushed_version(tmp_path, server, prompt_dataset, sync):
+    from peft import LoraConfig
+
+    trainer = make_trainer(
+        tmp_path,
+        server,
+        prompt_dataset,
+        steps_per_generation=2,
+        max_steps=16,  # 8 versions (2 optimizer steps each)
+        max_completion_length=16,
+        weight_sync_transport="disk",
+        learning_rate=1e-2,
+        lora_weight_sync=sync,
+        peft_config=LoraConfig(**LORA) if sync == "adapter" else None,
+    )
+    release = requests.get(f"http://127.0.0.1:{server['port']}/version", timeout=10).json()["version"]
+    if tuple(int(part) for part in release.split(".")[:2]) < (0, 32):  # (scripts/test_vllm_release.sh 0.31.0)
+        with pytest.raises(VLLMServerSetupError, match=r"2 data-parallel replicas .* seed their samplers alike"):
+            trainer.train()
+        return
+    versions = VersionRecorder(trainer)
+    trainer.add_callback(versions)
+    samples = record_trained_samples(trainer)
+    finished = {}
+
+    class CountAfterTheFirstVersions(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == 2:  # version 0 trained: the batches submitted from here on are version 1+
+                finished["before"] = requests_finished_per_replica(server)
+
+    trainer.add_callback(CountAfterTheFirstVersions())
+    pushes_before, adapters_before = weight_pushes_logged(server), adapter_traffic(server["log"].read_text())
+    trainer.train()
+    served = requests_finished_per_replica(server) - finished["before"]
+    assert sorted(served) == ["0", "1"] and min(served.values()) > 0, served  # both replicas answered rows
+    assert check_behaviour_logprobs_against_versions(trainer, versions, samples, atol=1e-3) == 16 * 4
+    behaviour_versions = {int(v) for inputs in samples for v in inputs["behavior_version"].unique()}
+    assert len(behaviour_versions) >= 4
+    if sync == "adapter":  # one adapter load per version, the base weights never reloaded
+        traffic = adapter_traffic(server["log"].read_text())
+        assert traffic["loads"] - adapters_before["loads"] == len(behaviour_versions)
+        assert traffic["base_reloads"] == adapters_before["base_reloads"]
+        assert trainer._rollout.sends_adapter
+    else:  # one reload per version, from the one backend, whatever the number of replicas
+        assert weight_pushes_logged(server) - pushes_before == len(behaviour_versions)
+    groups = collections.defaultdict(list)  # each prompt's num_generations samples (16 of 24 prompts)
+    for inputs in samples:
+        for prompt, ids, mask in zip(inputs["prompt_ids"], inputs["completion_ids"], inputs["completion_mask"]):
+            groups[tuple(prompt.tolist())].append(tuple(ids[mask.bool()].tolist()))
+    assert len(groups) == 16 and all(len(set(group)) == len(group) == 4 for group in groups.values())

@@ -45,6 +45,10 @@ SERVER_COMMAND = (
     "VLLM_SERVER_DEV_MODE=1 vllm serve MODEL --host 127.0.0.1 --port {port} --logprobs-mode processed_logprobs"
     + NCCL_FLAG
 )
+# The vLLM releases the real-server tests passed with (CI runs the newest; scripts/test_vllm_release.sh another).
+TESTED_RELEASES = ((0, 31), (0, 32))
+# From 0.32 data-parallel engines seed their samplers apart (seed, replica index); before, all alike.
+_DP_SEEDED_APART = (0, 32)
 # TRL's VLLMClient picks the wire format of the packed NCCL update from the *trainer's* vLLM: from 0.28 `packed` goes
 # in the init info, before it in each update's; a server of the other side rejects the field it does not know.
 _NCCL_WIRE_CHANGE = (0, 28)
@@ -279,6 +283,7 @@ class VLLMServerBackend:
                 f"processed_logprobs (`trl vllm-serve` adds it): {self.server_command()}"
             )
         server_version = self._request("reading its version", "GET", "/version").get("version", "unknown")
+        self._check_release(server_version, config)
         if self.lora is not None:
             self._probe_lora(config, response.json().get("vllm_env") or {})
         if self.lora is None:  # whole weights move: the transport's own requirements
@@ -291,6 +296,30 @@ class VLLMServerBackend:
                 stacklevel=2,
             )
 
+    def _check_release(self, server_version: str, config: dict) -> None:
+        """The server's vLLM release against what this backend was tested with and what its replicas do."""
+        replicas = int((config.get("parallel_config") or {}).get("data_parallel_size") or 1)
+        try:
+            release = _version_tuple(server_version)
+        except ValueError:
+            return  # a development build: nothing to compare
+        if replicas > 1 and release < _DP_SEEDED_APART:
+            # Before 0.32 every data-parallel engine seeded its sampler with the same seed: the copies of a prompt
+            # that the server's load balancer spreads over the replicas come back as one sample, twice.
+            raise VLLMServerSetupError(
+                f"The vLLM server at {self.where} runs {replicas} data-parallel replicas on vLLM {server_version}, "
+                "whose replicas seed their samplers alike: the num_generations copies of a prompt that land on "
+                "different replicas would be sampled identically. Use vLLM >= 0.32 (replicas seeded apart) on the "
+                "server, or restart it with --data-parallel-size 1."
+            )
+        if release > TESTED_RELEASES[-1]:
+            warnings.warn(
+                f"The vLLM server at {self.where} runs vLLM {server_version}; trl-a3po was tested with vLLM "
+                f"{', '.join('.'.join(map(str, r)) for r in TESTED_RELEASES)} (benchmarks/RESULTS.md, 'vLLM "
+                "releases'). Its routes are probed above; the in-flight behaviour of newer releases is not.",
+                stacklevel=3,
+            )
+
     def _probe_lora(self, config: dict, env: dict) -> None:
         rank = self.lora["config"].r
         lora_config = config.get("lora_config") or {}
@@ -301,6 +330,9 @@ class VLLMServerBackend:
             missing.append(f"--max-lora-rank {rank} (it has {lora_config.get('max_lora_rank')})")
         if str(env.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "")).lower() not in ("true", "1"):
             missing.append("VLLM_ALLOW_RUNTIME_LORA_UPDATING=True in its environment (adapters loaded at run time)")
+            if int((config.get("parallel_config") or {}).get("data_parallel_size") or 1) > 1:
+                # vLLM refuses runtime LoRA loading behind several API servers, its default with data parallelism
+                missing.append("--api-server-count 1 (with --data-parallel-size)")
         if not missing:
             return
         fix = ", ".join(missing)
