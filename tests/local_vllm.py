@@ -32,6 +32,7 @@ def local_vllm_server(
     backend needs). Yields its base URL once `/health` answers; on exit stops its whole process group, so vLLM's
     engine and worker processes do not outlive it. `python` is a Python that has vLLM and TRL
     (`.venv-vllm/bin/python`, scripts/install_vllm_cpu.sh); caches, RPC sockets and `server.log` go to `workdir`."""
+    python = os.path.abspath(python)  # the server runs in `workdir`
     if launcher == "trl":
         if not dev_mode:
             raise ValueError("`trl vllm-serve` always sets VLLM_SERVER_DEV_MODE=1: use launcher='vllm' without it")

@@ -33,9 +33,13 @@ class StandinServer:
         push_fails=False,
         lora=False,
         replicas=1,
+        replica_missing_pushes=None,
     ):
         self.completions, self.dev_mode, self.version = completions, dev_mode, version
         self.replicas = replicas  # --data-parallel-size
+        # /weight_checker: this replica keeps its base weights (it misses every push); None: every replica loads them
+        self.replica_missing_pushes = replica_missing_pushes
+        self.pushes = 0
         self.lora = lora  # started with --enable-lora --max-lora-rank 8 and runtime LoRA updating
         self.push_fails = push_fails  # /collective_rpc (the disk transport's reload) answers 500
         self.restart_at = restart_at  # the n-th completions request (1-based) finds a "restarted" server
@@ -102,7 +106,19 @@ class StandinServer:
                 elif path == "/collective_rpc" and standin.push_fails:
                     self._json({"error": {"message": "reload_weights failed: out of memory (stand-in)"}}, 500)
                 elif path in ("/collective_rpc", "/reset_prefix_cache") and standin.dev_mode:
+                    standin.pushes += path == "/collective_rpc"
                     self._json({"success": True} if path == "/reset_prefix_cache" else {})
+                elif path == "/weight_checker" and standin.dev_mode:
+                    pushed = {
+                        replica: 0 if replica == standin.replica_missing_pushes else standin.pushes
+                        for replica in range(standin.replicas)
+                    }
+                    checksums = {
+                        f"dp{replica}:pp0:pcp0:tp0:{name}": f"{name}-after-{pushes}-pushes"
+                        for replica, pushes in pushed.items()
+                        for name in ("model.embed_tokens.weight", "model.norm.weight")
+                    }
+                    self._json({"checksums": checksums})
                 else:
                     self._json({"detail": "Not Found"}, 404)
 

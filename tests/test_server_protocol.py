@@ -322,3 +322,18 @@ def test_the_probe_takes_a_data_parallel_server_from_032_and_warns_past_the_test
         args.vllm_server_port = server.port
         with pytest.warns(UserWarning, match=r"runs vLLM 0.34.0; trl-a3po was tested with vLLM 0.31, 0.32"):
             VLLMServerBackend.from_config(args, eos_token_ids=[1]).close()
+
+
+def test_a_data_parallel_replica_that_missed_a_push_stops_training_naming_it(tmp_path, tokenizer, prompt_dataset):
+    # vLLM >= 0.32 reports each replica's checksums: after every push of merged weights they must agree.
+    with StandinServer(replicas=2, version="0.32.0") as server:
+        train_against(server, tmp_path / "agree", tokenizer, prompt_dataset)
+        assert server.paths.count("/weight_checker") == server.pushes >= 1  # one comparison per push
+    with StandinServer(replicas=2, version="0.32.0", replica_missing_pushes=1) as server:
+        with pytest.raises(
+            ProducerError,
+            match=r"while loading version 0.*After push 1, the data-parallel replicas .* hold different weights "
+            r"\(2 tensors differ, e.g. \['pp0:pcp0:tp0:model.embed_tokens.weight', 'pp0:pcp0:tp0:model.norm.weight'"
+            r"\]; replicas reporting: \['dp0', 'dp1'\] of 2\): a replica missed the push",
+        ):
+            train_against(server, tmp_path / "missed", tokenizer, prompt_dataset)

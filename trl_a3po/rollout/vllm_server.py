@@ -47,8 +47,9 @@ SERVER_COMMAND = (
 )
 # The vLLM releases the real-server tests passed with (CI runs the newest; scripts/test_vllm_release.sh another).
 TESTED_RELEASES = ((0, 31), (0, 32))
-# From 0.32 data-parallel engines seed their samplers apart (seed, replica index); before, all alike.
-_DP_SEEDED_APART = (0, 32)
+# From 0.32 data-parallel engines seed their samplers apart (seed, replica index); before, all alike. 0.32 also has
+# /weight_checker (per-replica checksums of the served weights).
+_DP_SEEDED_APART = _WEIGHT_CHECKER = (0, 32)
 # TRL's VLLMClient picks the wire format of the packed NCCL update from the *trainer's* vLLM: from 0.28 `packed` goes
 # in the init info, before it in each update's; a server of the other side rejects the field it does not know.
 _NCCL_WIRE_CHANGE = (0, 28)
@@ -158,6 +159,9 @@ class VLLMServerBackend:
         self._pushes = 0
         self._weight_label: str | None = None  # what the server must hold; None before the first push
         self._labels = True  # the server has /weight_info (vLLM >= 0.2x); probed
+        # Data-parallel replicas whose weights are compared after each merged push (/weight_checker, vLLM >= 0.32);
+        # 1: nothing to compare (a single engine, or a release without the route). Probed.
+        self._checked_replicas = 1
         self._probe()
         if self.lora is None:  # adapters travel through files: no communicator for them
             self.transport.connect(self)
@@ -303,6 +307,8 @@ class VLLMServerBackend:
             release = _version_tuple(server_version)
         except ValueError:
             return  # a development build: nothing to compare
+        if replicas > 1 and release >= _WEIGHT_CHECKER:
+            self._checked_replicas = replicas
         if replicas > 1 and release < _DP_SEEDED_APART:
             # Before 0.32 every data-parallel engine seeded its sampler with the same seed: the copies of a prompt
             # that the server's load balancer spreads over the replicas come back as one sample, twice.
@@ -365,11 +371,32 @@ class VLLMServerBackend:
             return time.perf_counter() - start
         self.transport.push(self, staged)
         self._pushes += 1
+        if self._checked_replicas > 1:
+            self._check_replicas_agree()
         if self._labels:
             label = f"a3po-{self._run_id}-{self._pushes}"
             self.post("/update_weight_version", {"new_version": label}, doing="labelling the pushed weights")
             self._weight_label = label
         return time.perf_counter() - start
+
+    def _check_replicas_agree(self) -> None:
+        """After a push to a data-parallel server: every replica's checksum of every served tensor (vLLM's
+        /weight_checker; keys `dp<i>:pp..:tp..:<name>`) equals the other replicas'. A replica that missed the push
+        would answer its share of the rows with the previous weights, under this version's number."""
+        checksums = self.post("/weight_checker", {"action": "checksum"}, doing="comparing the replicas' weights")
+        by_tensor: dict[str, dict[str, str]] = {}
+        for key, digest in checksums.get("checksums", {}).items():
+            replica, _, tensor = key.partition(":")
+            by_tensor.setdefault(tensor, {})[replica] = digest
+        replicas = {replica for digests in by_tensor.values() for replica in digests}
+        differing = sorted(tensor for tensor, digests in by_tensor.items() if len(set(digests.values())) > 1)
+        if len(replicas) < self._checked_replicas or differing:
+            raise VLLMServerError(
+                f"After push {self._pushes}, the data-parallel replicas of the vLLM server at {self.where} hold "
+                f"different weights ({len(differing)} tensors differ, e.g. {differing[:3]}; replicas reporting: "
+                f"{sorted(replicas)} of {self._checked_replicas}): a replica missed the push, and its rows would be "
+                "trained under a version it does not hold. Check the server's log."
+            )
 
     def _load_adapter(self, staged: StagedWeights) -> None:
         """The version's adapter as a new LoRA on the server (a folder in PEFT's format, then /v1/load_lora_adapter);
