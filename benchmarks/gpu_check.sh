@@ -7,7 +7,11 @@
 #   2. optimizer steps of the decoupled loss, generation excluded                         benchmarks/step_cost.py
 #   3. the real A3POTrainer, in-process generation on the same GPU: sync vs recompute vs loglinear, and
 #      asynchronous (max_staleness auto) vs max_staleness=0 (loglinear-noahead)           benchmarks/methods.py
-# `bash benchmarks/gpu_check.sh --cpu` runs the same three with tiny shapes on a CPU (tests/test_benchmarks.py).
+#   4. generated ahead by a colocated vLLM engine (use_vllm=True, vllm_mode="colocate") vs in-process HF generate
+#      vs synchronous, same steps; needs vLLM beside the trainer (skipped, saying so, where it cannot be imported:
+#      the device has no vLLM and no network; its wheels exceed what `carry` takes)          benchmarks/methods.py
+# `bash benchmarks/gpu_check.sh --cpu` runs the same with tiny shapes on a CPU (tests/test_benchmarks.py), table 4 with
+# the vLLM venv's Python (A3PO_VLLM_PYTHON, default .venv-vllm/bin/python; scripts/setup.sh --with-vllm).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
@@ -26,6 +30,14 @@ if [ "${1:-}" = "--cpu" ]; then
   python3 benchmarks/methods.py --model tiny-shape --methods sync recompute loglinear loglinear-noahead --steps 4 \
       --batch 4 --gradient-accumulation-steps 2 --steps-per-generation 4 --prompt-tokens 8 --completion-tokens 8 \
       --max-staleness 2
+  vllm_python=${A3PO_VLLM_PYTHON:-.venv-vllm/bin/python}
+  if [ -x "$vllm_python" ] && "$vllm_python" -I -c "import vllm, trl_a3po" 2>/dev/null; then
+    VLLM_CPU_KVCACHE_SPACE=1 "$vllm_python" benchmarks/methods.py --model tiny-shape \
+        --methods sync loglinear loglinear-colocate --steps 4 --batch 4 --gradient-accumulation-steps 2 \
+        --steps-per-generation 4 --prompt-tokens 8 --completion-tokens 8 --max-staleness 2
+  else
+    echo "4. colocated vLLM: skipped (no vLLM venv with trl_a3po at $vllm_python)"
+  fi
   exit 0
 fi
 timeout 110 python3 benchmarks/prox_cost.py --device cuda --models qwen2.5-1.5b-shape \
@@ -36,3 +48,10 @@ timeout 110 python3 benchmarks/step_cost.py --device cuda --model qwen2.5-1.5b-s
 timeout 230 python3 benchmarks/methods.py --model qwen2.5-1.5b-shape \
     --methods sync recompute loglinear loglinear-noahead --steps 12 --batch 8 --gradient-accumulation-steps 2 \
     --steps-per-generation 8 --prompt-tokens 128 --completion-tokens 512 --gradient-checkpointing --max-staleness 2
+if python3 -c "import vllm" 2>/dev/null; then
+  timeout 200 python3 benchmarks/methods.py --model qwen2.5-1.5b-shape --methods sync loglinear loglinear-colocate \
+      --steps 12 --batch 8 --gradient-accumulation-steps 2 --steps-per-generation 8 --prompt-tokens 128 \
+      --completion-tokens 512 --gradient-checkpointing --max-staleness 2
+else
+  echo "4. colocated vLLM: skipped (vLLM is not installed on this machine)"
+fi

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import os
 import random
 import statistics
 import sys
@@ -49,6 +50,15 @@ METHODS = {
     # the same code path with max_staleness=0: the producer cannot run ahead, so generation (in-process or on the
     # server) and training take turns: the synchronous schedule, A-3PO's loss
     "loglinear-noahead": dict(prox_logp_method="loglinear", async_generation=True, max_staleness=0),
+    # generated ahead on a vLLM engine in the training process (TRL's use_vllm=True, vllm_mode="colocate"; vLLM must
+    # be installed beside the trainer), instead of the in-process HF generate of the methods above
+    "loglinear-colocate": dict(
+        prox_logp_method="loglinear",
+        async_generation=True,
+        use_vllm=True,
+        vllm_mode="colocate",
+        vllm_gpu_memory_utilization=0.3,
+    ),
 }
 
 
@@ -138,8 +148,14 @@ def run(method: str, args, tokenizer, dataset) -> dict:
         from trl_a3po import gsm8k_accuracy_reward  # math-verify: only for the GSM8K runs
 
         reward = gsm8k_accuracy_reward
+    model = make_model(args.model, tokenizer)
+    if spec.get("vllm_mode") == "colocate":  # vLLM builds its engine from a checkpoint: the same weights, saved
+        folder = os.path.join(config.output_dir, "checkpoint")
+        model.save_pretrained(folder)
+        tokenizer.save_pretrained(folder)
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=model.dtype)
     trainer = trainer_cls(
-        model=make_model(args.model, tokenizer),
+        model=model,
         reward_funcs=reward,
         args=config,
         train_dataset=dataset,
@@ -202,7 +218,12 @@ def main():
         help="tiny (random, SmolLM2 tokenizer), a model / alias, or a "
         f"random *-shape model: tiny-shape, {', '.join(k for k in SHAPES if k != 'tiny')}",
     )
-    parser.add_argument("--methods", nargs="+", default=list(METHODS))
+    parser.add_argument(
+        "--methods",
+        nargs="+",
+        default=[method for method in METHODS if method != "loglinear-colocate"],  # (that one needs vLLM installed)
+        choices=list(METHODS),
+    )
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--batch", type=int, default=8, help="per_device_train_batch_size (samples per step)")
     parser.add_argument("--steps-per-generation", type=int, default=2)

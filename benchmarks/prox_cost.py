@@ -22,13 +22,13 @@ from trl_a3po.proximal import approximate_prox_logp
 
 
 SHAPES = {
-    "tiny": lambda: Qwen2Config(
+    "tiny": lambda: Qwen2Config(  # head size 32: the smallest vLLM's CPU attention runs (the colocated engine)
         vocab_size=1024,
         hidden_size=64,
         intermediate_size=128,
         num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
     ),
     "smollm2-135m-shape": lambda: LlamaConfig(
         vocab_size=49152,

@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from conftest import vllm_python
+
 
 REPO = Path(__file__).resolve().parent.parent
 # Blocks the packages the device lacks: any import of them fails, as it would there.
@@ -310,6 +312,12 @@ def test_gpu_check_runs_end_to_end_on_cpu_with_tiny_shapes():
     prox_mean = {method: float(values[3]) for method, values in rows.items() if method != "sync"}
     assert prox_mean["recompute"] > prox_mean["loglinear"]  # a forward pass vs an element-wise interpolation
     assert "ratios: wall sync/loglinear" in result.stdout and "model=tiny-shape device=cpu" in result.stdout
+    # table 4, the colocated vLLM engine, with the vLLM venv's Python (trl_a3po installed there by setup.sh)
+    colocated = [line.split() for line in result.stdout.splitlines() if line.startswith("loglinear-colocate ")]
+    if os.environ.get("A3PO_REQUIRE_VLLM") or vllm_python():
+        assert len(colocated) == 1 and float(colocated[0][2]) > 0, result.stdout[-3000:]  # generated tokens/s
+    else:
+        assert "4. colocated vLLM: skipped" in result.stdout
 
 
 def test_agentic_benchmark_table_reports_means_and_ratios_to_sync():

@@ -143,12 +143,15 @@ def test_a_generation_batch_must_end_on_an_optimizer_step(tmp_path, kwargs):
             ),
             r"must be a multiple of\s+gradient_accumulation_steps",
         ),
-        # GRPOConfig's default vllm_mode: vLLM inside the training process, not generated ahead (yet)
-        (dict(use_vllm=True), r"vllm_mode='colocate' .*trl vllm-serve --model MODEL.*async_generation=False"),
         (
             dict(use_vllm=True, vllm_mode="server", rollout_backend="inprocess"),
             r"rollout_backend='inprocess' asks for another generator",
         ),
+        # what the colocated engine (GRPOConfig's default vllm_mode) does not do, generated ahead
+        (dict(use_vllm=True, inflight_weight_updates=True), r"inflight_weight_updates with the colocated vLLM"),
+        (dict(use_vllm=True, continuous_generation=True), r"continuous_generation with the colocated vLLM"),
+        (dict(use_vllm=True, vllm_tensor_parallel_size=2), r"vllm_tensor_parallel_size .*--tensor_parallel_size N"),
+        (dict(use_vllm=True, vllm_enable_sleep_mode=True), r"vllm_enable_sleep_mode .*works while the\s+trainer"),
         (dict(async_generation=False, rollout_backend="vllm_server"), r"use TRL's own use_vllm=True"),
         (dict(rollout_backend="sglang"), r"rollout_backend='sglang' is not supported"),
         (dict(weight_sync_transport="rdma"), r"weight_sync_transport='rdma'"),
@@ -177,6 +180,9 @@ def test_trls_vllm_server_config_generates_ahead_on_that_server(tmp_path):
     for kwargs in (dict(async_generation=False), dict(max_staleness=0)):
         config = make(tmp_path, use_vllm=True, vllm_mode="server", **kwargs)
         assert not config.async_generation and config.use_vllm and config.rollout_backend == "inprocess"
+    # GRPOConfig's default mode, colocate: generated ahead by a vLLM engine in the training process
+    config = make(tmp_path, use_vllm=True)
+    assert config.async_generation and config.rollout_backend == "vllm_colocate" and not config.use_vllm
     # the coupled loss stays synchronous (TRL's own path)
     config = make(tmp_path, use_vllm=True, vllm_mode="server", use_decoupled_loss=False)
     assert not config.async_generation and config.use_vllm

@@ -11,7 +11,7 @@ from .proximal import BEHAV_WEIGHT_LEVELS, BEHAV_WEIGHT_MODES, CLIPPED_LOSS_TYPE
 
 
 PROX_LOGP_METHODS = ("loglinear", "recompute", "metrics")
-ROLLOUT_BACKENDS = ("inprocess", "vllm_server")
+ROLLOUT_BACKENDS = ("inprocess", "vllm_server", "vllm_colocate")
 WEIGHT_SYNC_TRANSPORTS = ("auto", "nccl", "disk")
 LORA_WEIGHT_SYNCS = ("auto", "adapter", "merged")
 
@@ -56,8 +56,8 @@ class A3POConfig(GRPOConfig):
             Largest staleness, in policy versions, any sample is trained with; `None` = 2 asynchronous (where the
             A-3PO approximation engages), 0 synchronous.
         rollout_backend (`str` or `None`, *optional*, defaults to `None`):
-            `"inprocess"` (a snapshot in a background thread) or `"vllm_server"` (a running `trl vllm-serve`);
-            `None` = `"vllm_server"` with TRL's `use_vllm=True, vllm_mode="server"`, else `"inprocess"`.
+            `"inprocess"` (a snapshot in a background thread), `"vllm_server"` (a running `trl vllm-serve`) or
+            `"vllm_colocate"` (vLLM in the training process); `None` = what TRL's `use_vllm` and `vllm_mode` say.
         vllm_server_host (`str`, *optional*, defaults to `"127.0.0.1"`):
             Host of the vLLM server (GRPOConfig's field; loopback by default here).
         weight_sync_transport (`str`, *optional*, defaults to `"auto"`):
@@ -193,12 +193,17 @@ class A3POConfig(GRPOConfig):
         default=None,
         metadata={
             "help": "Who generates in asynchronous mode. `inprocess`: a snapshot of the policy in a background "
-            "thread (HF generate; CPU, one GPU). `vllm_server`: a running vLLM server (`trl vllm-serve`, or `vllm "
-            "serve` with its flags) at vllm_server_base_url or vllm_server_host:vllm_server_port, with weights pushed "
-            "by `weight_sync_transport`; a server that sends nothing for vllm_server_timeout seconds, or reports an "
-            "error, stops training with its message. None (default): what TRL's fields say, `vllm_server` with "
-            "use_vllm=True and vllm_mode='server', else `inprocess`. With asynchronous generation, use_vllm=True "
-            "selects this backend and is then set to False: GRPOTrainer's own (synchronous) vLLM client is not built.",
+            "thread (HF"
+            " generate; CPU, one GPU). `vllm_server`: a running vLLM server (`trl vllm-serve`, or `vllm serve` "
+            "with its flags) at vllm_server_base_url or vllm_server_host:vllm_server_port, with weights pushed by"
+            " `weight_sync_transport`; a server that sends nothing for vllm_server_timeout seconds, or reports an"
+            " error, stops training with its message. `vllm_colocate`: a vLLM engine inside each training "
+            "process, on its device, built from the policy's checkpoint (TRL's vllm_gpu_memory_utilization, "
+            "vllm_max_model_length, vllm_model_impl), loaded in memory with each version. None (default): what "
+            "TRL's fields say, `vllm_server` with use_vllm=True and vllm_mode='server', `vllm_colocate` with "
+            "use_vllm=True and vllm_mode='colocate', else `inprocess`. With asynchronous generation, "
+            "use_vllm=True selects the backend and is then set to False: GRPOTrainer's own (synchronous) vLLM is "
+            "not built.",
             "choices": list(ROLLOUT_BACKENDS),
         },
     )
@@ -489,6 +494,8 @@ class A3POConfig(GRPOConfig):
                 "inflight_weight_updates=True switches versions inside the producer's generations; it needs "
                 "async_generation=True. Set inflight_weight_updates=False."
             )
+        if self.rollout_backend == "vllm_colocate":
+            self._refuse_what_the_colocated_engine_lacks()
         if self.weight_sync_steps < 1:
             raise ValueError(f"weight_sync_steps={self.weight_sync_steps} must be >= 1.")
         if self.max_staleness is None:
@@ -526,21 +533,43 @@ class A3POConfig(GRPOConfig):
 
     def _generate_ahead_on_trls_vllm(self):
         """TRL's `use_vllm=True` with asynchronous generation: the producer generates on the vLLM that `vllm_mode`
-        names (TRL's server fields keep their meaning), and GRPOTrainer must not build its own synchronous vLLM
-        client (it would open a second NCCL group to the same server, and refuse a trainer without vLLM installed,
-        which the disk and adapter transports do not need)."""
-        if self.vllm_mode == "colocate":
+        names (TRL's server and colocation fields keep their meaning), and GRPOTrainer must not build its own
+        synchronous vLLM (a second NCCL group to the same server, or a second engine on the device; and TRL's refusal
+        of a trainer without vLLM installed, which the disk and adapter transports do not need)."""
+        wanted = {"server": "vllm_server", "colocate": "vllm_colocate"}[self.vllm_mode]
+        if self.rollout_backend not in (None, wanted):
             raise ValueError(
-                "use_vllm=True with vllm_mode='colocate' (GRPOConfig's default mode) runs vLLM inside the training "
-                "process, which A3POConfig cannot generate ahead with yet. Start a server (`trl vllm-serve --model "
-                "MODEL`) and set vllm_mode='server', or set async_generation=False (TRL's synchronous colocated "
-                "vLLM, with the decoupled loss at staleness 0), or use_vllm=False (in-process HF generate, "
-                "asynchronous)."
-            )
-        if self.rollout_backend not in (None, "vllm_server"):
-            raise ValueError(
-                f"use_vllm=True, vllm_mode='server' generates on a vLLM server, but rollout_backend="
+                f"use_vllm=True, vllm_mode={self.vllm_mode!r} generates with {wanted}, but rollout_backend="
                 f"{self.rollout_backend!r} asks for another generator; unset rollout_backend, or set use_vllm=False."
             )
-        self.rollout_backend = "vllm_server"
+        self.rollout_backend = wanted
         self.use_vllm = False
+
+    def _refuse_what_the_colocated_engine_lacks(self):
+        refused = {
+            "inflight_weight_updates": (
+                self.inflight_weight_updates,
+                "switches versions inside a generation; the colocated engine loads a version between two "
+                "generations only. Set inflight_weight_updates=False, or use a vLLM server",
+            ),
+            "continuous_generation": (
+                self.continuous_generation,
+                "streams several batches as concurrent requests; the colocated engine generates one batch at a time. "
+                "Set continuous_generation=False, or use a vLLM server",
+            ),
+            "vllm_tensor_parallel_size": (
+                self.vllm_tensor_parallel_size != 1,
+                "splits the engine over several training processes, whose collectives the producer thread would run "
+                "beside the trainer's. Set vllm_tensor_parallel_size=1, or serve a tensor-parallel model with "
+                "`trl vllm-serve --tensor_parallel_size N` and vllm_mode='server'",
+            ),
+            "vllm_enable_sleep_mode": (
+                self.vllm_enable_sleep_mode,
+                "frees the engine's memory while the trainer steps, but generated ahead the engine works while the "
+                "trainer steps. Set vllm_enable_sleep_mode=False (lower vllm_gpu_memory_utilization to make room), or "
+                "async_generation=False for TRL's synchronous colocated vLLM",
+            ),
+        }
+        for name, (bad, reason) in refused.items():
+            if bad:
+                raise ValueError(f"A3POConfig.{name} with the colocated vLLM engine (vllm_mode='colocate'): {reason}.")

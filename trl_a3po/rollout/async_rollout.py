@@ -74,10 +74,11 @@ class AsyncRollout:
 
     @property
     def runs_producer(self) -> bool:
-        """In-process generation: every process generates its own share on its own snapshot. A vLLM server: the main
-        process alone generates every process's share and hands each its part, so the server's weights have one
-        owner (one push per version, from one process) and no request is mid-generation during a push."""
-        return self.args.rollout_backend == "inprocess" or self.accelerator.is_main_process
+        """In-process generation (HF generate or a colocated vLLM engine): every process generates its own share on
+        its own generator. A vLLM server: the main process alone generates every process's share and hands each its
+        part, so the server's weights have one owner (one push per version, from one process) and no request is
+        mid-generation during a push."""
+        return self.args.rollout_backend in ("inprocess", "vllm_colocate") or self.accelerator.is_main_process
 
     @property
     def serves_other_processes(self) -> bool:
@@ -100,6 +101,13 @@ class AsyncRollout:
                 trainer.generation_config,
                 pad_token_id=trainer._tokenizer.pad_token_id,
                 eos_token_ids=list(trainer.eos_token_ids),
+            )
+            served = [self.accelerator.process_index]
+        elif self.args.rollout_backend == "vllm_colocate":
+            from .vllm_colocate import VLLMColocateBackend
+
+            backend = VLLMColocateBackend.from_config(
+                self.args, model, list(trainer.eos_token_ids), self.accelerator.device
             )
             served = [self.accelerator.process_index]
         else:

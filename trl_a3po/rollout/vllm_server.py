@@ -83,6 +83,24 @@ def _version_tuple(version: str) -> tuple[int, int]:
     return int(major), int("".join(ch for ch in minor if ch.isdigit()) or 0)
 
 
+def sampling_params(args, eos_token_ids: list[int]) -> dict:
+    """vLLM's sampling parameters for the producer's requests, from GRPOConfig's fields (server and colocated)."""
+    return {
+        "max_tokens": args.max_completion_length,
+        # the sampler's own temperature where it has one (A3POConfig.sampling_temperature): the processed log-probs
+        # vLLM returns are then those of the cooled distribution it sampled from
+        "temperature": args.temperature
+        if getattr(args, "sampling_temperature", None) is None
+        else args.sampling_temperature,
+        "top_p": args.top_p,
+        "top_k": args.top_k if args.top_k else -1,
+        "min_p": args.min_p or 0.0,
+        "repetition_penalty": args.repetition_penalty,
+        "stop_token_ids": eos_token_ids,
+        **(args.generation_kwargs or {}),
+    }
+
+
 def adapter_unservable_reason(peft_configs: dict) -> str | None:
     """Why a PEFT policy cannot be served as a LoRA adapter by vLLM (then its merged weights are sent), or None."""
     if len(peft_configs) != 1:
@@ -177,20 +195,7 @@ class VLLMServerBackend:
             transport = DiskTransport(args.weight_sync_dir or os.path.join(args.output_dir, "weight_sync"))
         else:
             transport = NCCLTransport(group_port=args.vllm_group_port, timeout_s=args.vllm_server_timeout)
-        sampling = {
-            "max_tokens": args.max_completion_length,
-            # the sampler's own temperature where it has one (A3POConfig.sampling_temperature): the processed
-            # log-probs the server returns are then those of the cooled distribution it sampled from
-            "temperature": args.temperature
-            if getattr(args, "sampling_temperature", None) is None
-            else args.sampling_temperature,
-            "top_p": args.top_p,
-            "top_k": args.top_k if args.top_k else -1,
-            "min_p": args.min_p or 0.0,
-            "repetition_penalty": args.repetition_penalty,
-            "stop_token_ids": eos_token_ids,
-            **(args.generation_kwargs or {}),
-        }
+        sampling = sampling_params(args, eos_token_ids)
         lora = None
         if peft_configs and args.lora_weight_sync != "merged":
             reason = adapter_unservable_reason(peft_configs)
