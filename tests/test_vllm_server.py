@@ -93,37 +93,11 @@ def vllm_server(tmp_path_factory):
         yield {"port": port, "model_dir": model_dir, "tokenizer": tokenizer, "log": root / "server.log"}
 
 
-@pytest.fixture(scope="module")
-def vllm_lora_server(vllm_server):
-    """A second server of the same model that loads LoRA adapters at run time (lora_weight_sync='adapter')."""
-    port = free_port()
-    workdir = Path(tempfile.mkdtemp(prefix="vllm-", dir="/tmp"))  # engine sockets: a short path
-    with local_vllm_server(
-        vllm_python(),
-        str(vllm_server["model_dir"]),
-        port,
-        str(workdir),
-        max_model_len=512,
-        timeout_s=300,
-        env={"HF_HUB_OFFLINE": "1", "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"},
-        extra_args=("--enable-lora", "--max-lora-rank", "8", "--max-loras", "2"),
-    ):
-        yield {**vllm_server, "port": port, "log": workdir / "server.log"}
-    shutil.rmtree(workdir, ignore_errors=True)
-
-
 @contextlib.contextmanager
-def data_parallel_server(vllm_server, lora: bool):
-    """`trl vllm-serve --data_parallel_size 2` (how TRL's docs scale generation on one node): two engine replicas
-    behind vLLM's API server(s), which balance requests between them. With `lora`, adapters loadable at run time, which
-    vLLM allows behind one API server only (its default is one per replica)."""
+def another_server(vllm_server, env: dict, extra_args: tuple):
+    """Another `trl vllm-serve` of the same model, with `env` and `extra_args` on top of the shared ones."""
     port = free_port()
     workdir = Path(tempfile.mkdtemp(prefix="vllm-", dir="/tmp"))  # engine sockets: a short path
-    env = {"HF_HUB_OFFLINE": "1"}
-    extra_args = ("--data_parallel_size", "2")
-    if lora:
-        env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
-        extra_args += ("--api-server-count", "1", "--enable-lora", "--max-lora-rank", "8", "--max-loras", "2")
     with local_vllm_server(
         vllm_python(),
         str(vllm_server["model_dir"]),
@@ -131,11 +105,33 @@ def data_parallel_server(vllm_server, lora: bool):
         str(workdir),
         max_model_len=512,
         timeout_s=300,
-        env=env,
+        env={"HF_HUB_OFFLINE": "1", **env},
         extra_args=extra_args,
     ):
         yield {**vllm_server, "port": port, "log": workdir / "server.log"}
     shutil.rmtree(workdir, ignore_errors=True)
+
+
+LORA_SERVER = (
+    {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"},
+    ("--enable-lora", "--max-lora-rank", "8", "--max-loras", "2"),
+)
+
+
+@pytest.fixture(scope="module")
+def vllm_lora_server(vllm_server):
+    """A second server of the same model that loads LoRA adapters at run time (lora_weight_sync='adapter')."""
+    with another_server(vllm_server, *LORA_SERVER) as server:
+        yield server
+
+
+def data_parallel_server(vllm_server, lora: bool):
+    """`trl vllm-serve --data_parallel_size 2` (how TRL's docs scale generation on one node): two engine replicas
+    behind vLLM's API server(s), which balance requests between them. With `lora`, adapters loadable at run time, which
+    vLLM allows behind one API server only (its default is one per replica)."""
+    env, extra_args = LORA_SERVER if lora else ({}, ())
+    extra_args = ("--data_parallel_size", "2", *(("--api-server-count", "1") if lora else ()), *extra_args)
+    return another_server(vllm_server, env, extra_args)
 
 
 def requests_finished_per_replica(server) -> collections.Counter:

@@ -388,9 +388,7 @@ class A3POConfig(GRPOConfig):
                 "dual_clip_c the loss at c*|A|, the same bound with c = delta); set only one of them",
             ),
         }
-        for name, (bad, fix) in unsupported.items():
-            if bad:
-                raise ValueError(f"A3POConfig.{name}: {fix}.")
+        _refuse(unsupported)
 
     def _refuse_non_sampling_generation_kwargs(self):
         """generation_kwargs that make the generator return something else than one sampled completion per prompt
@@ -570,6 +568,11 @@ class A3POConfig(GRPOConfig):
                 "async_generation=False for TRL's synchronous colocated vLLM",
             ),
         }
-        for name, (bad, reason) in refused.items():
-            if bad:
-                raise ValueError(f"A3POConfig.{name} with the colocated vLLM engine (vllm_mode='colocate'): {reason}.")
+        _refuse(refused, "with the colocated vLLM engine (vllm_mode='colocate'): ")
+
+
+def _refuse(table: dict[str, tuple[bool, str]], context: str = "") -> None:
+    """Raise for the first field of `table` ({name: (refused, reason)}) that is refused, naming it and the reason."""
+    for name, (refused, reason) in table.items():
+        if refused:
+            raise ValueError(f"A3POConfig.{name}{' ' + context if context else ': '}{reason}.")
