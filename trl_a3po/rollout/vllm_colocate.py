@@ -35,7 +35,6 @@ class VLLMColocateBackend:
 
         self.device = device
         self.sampling = SamplingParams(**{**sampling, "n": 1, "logprobs": 0})
-        self.max_tokens = sampling["max_tokens"]
         self.llm = LLM(model=model_path, logprobs_mode="processed_logprobs", **engine_args)
         self._request_ids = itertools.count()
 

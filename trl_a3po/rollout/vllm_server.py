@@ -292,9 +292,10 @@ class VLLMServerBackend:
                 f"processed_logprobs (`trl vllm-serve` adds it): {self.server_command()}"
             )
         server_version = self._request("reading its version", "GET", "/version").get("version", "unknown")
-        self._check_release(server_version, config)
+        replicas = int((config.get("parallel_config") or {}).get("data_parallel_size") or 1)
+        self._check_release(server_version, replicas)
         if self.lora is not None:
-            self._probe_lora(config, response.json().get("vllm_env") or {})
+            self._probe_lora(config, response.json().get("vllm_env") or {}, replicas)
         if self.lora is None:  # whole weights move: the transport's own requirements
             self.transport.check_server(self, config, server_version)
         if self.session.get(f"{self.base_url}/weight_info", timeout=self.timeout).status_code == 404:
@@ -305,9 +306,9 @@ class VLLMServerBackend:
                 stacklevel=2,
             )
 
-    def _check_release(self, server_version: str, config: dict) -> None:
-        """The server's vLLM release against what this backend was tested with and what its replicas do."""
-        replicas = int((config.get("parallel_config") or {}).get("data_parallel_size") or 1)
+    def _check_release(self, server_version: str, replicas: int) -> None:
+        """The server's vLLM release against what this backend was tested with and what its `replicas`
+        (--data-parallel-size) do."""
         try:
             release = _version_tuple(server_version)
         except ValueError:
@@ -331,7 +332,7 @@ class VLLMServerBackend:
                 stacklevel=3,
             )
 
-    def _probe_lora(self, config: dict, env: dict) -> None:
+    def _probe_lora(self, config: dict, env: dict, replicas: int) -> None:
         rank = self.lora["config"].r
         lora_config = config.get("lora_config") or {}
         missing = []
@@ -341,7 +342,7 @@ class VLLMServerBackend:
             missing.append(f"--max-lora-rank {rank} (it has {lora_config.get('max_lora_rank')})")
         if str(env.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "")).lower() not in ("true", "1"):
             missing.append("VLLM_ALLOW_RUNTIME_LORA_UPDATING=True in its environment (adapters loaded at run time)")
-            if int((config.get("parallel_config") or {}).get("data_parallel_size") or 1) > 1:
+            if replicas > 1:
                 # vLLM refuses runtime LoRA loading behind several API servers, its default with data parallelism
                 missing.append("--api-server-count 1 (with --data-parallel-size)")
         if not missing:
