@@ -304,6 +304,18 @@ class A3POConfig(GRPOConfig):
         },
     )
 
+    generation_compile: bool | None = field(
+        default=None,
+        metadata={
+            "help": "In-process generation ahead (rollout_backend='inprocess'): decode with a static KV cache and "
+            "compiled, CUDA-graph-captured steps (transformers' `cache_implementation='static'` with `generate`'s "
+            "own compilation), compiled once per run: prompt widths are padded to a multiple of 64 tokens and new "
+            "versions are loaded into the same weights. None (default): on CUDA only. False: HF generate as TRL "
+            "configures it (also where a model cannot compile: the generator then switches, saying why once). Either "
+            "way only the sampled token's behaviour log-prob is kept per step, never the scores."
+        },
+    )
+
     def __post_init__(self):
         if self.vllm_importance_sampling_correction is None:
             self.vllm_importance_sampling_correction = not self.use_decoupled_loss

@@ -101,6 +101,9 @@ class AsyncRollout:
                 trainer.generation_config,
                 pad_token_id=trainer._tokenizer.pad_token_id,
                 eos_token_ids=list(trainer.eos_token_ids),
+                compiled=self.args.generation_compile
+                if self.args.generation_compile is not None
+                else self.accelerator.device.type == "cuda",
             )
             served = [self.accelerator.process_index]
         elif self.args.rollout_backend == "vllm_colocate":

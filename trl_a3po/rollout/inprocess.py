@@ -4,22 +4,38 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
+import logging
 import threading
 import time
 from collections.abc import Callable
 
 import torch
-from transformers import GenerationConfig, PreTrainedModel, StoppingCriteria, StoppingCriteriaList
+import torch.nn.functional as F
+from transformers import GenerationConfig, LogitsProcessor, PreTrainedModel, StoppingCriteria, StoppingCriteriaList
 from trl.trainer.utils import pad
 
 from .staging import NamedTensors, StagedWeights, as_pairs, stage_copy, wait_until_staged
 
 
-def left_pad(prompt_ids: list[list[int]], pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Left-padded `input_ids` and `attention_mask` (TRL's `pad`): generation continues from each row's last column."""
+logger = logging.getLogger(__name__)
+
+
+def left_pad(prompt_ids: list[list[int]], pad_token_id: int, width: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-padded `input_ids` and `attention_mask` (TRL's `pad`): generation continues from each row's last column.
+    At least `width` columns."""
     rows = [torch.tensor(ids, dtype=torch.long) for ids in prompt_ids]
     input_ids = pad(rows, padding_value=pad_token_id, padding_side="left")
-    return input_ids, pad([torch.ones_like(row) for row in rows], padding_value=0, padding_side="left")
+    attention_mask = pad([torch.ones_like(row) for row in rows], padding_value=0, padding_side="left")
+    extra = width - input_ids.size(1)
+    if extra > 0:
+        input_ids = F.pad(input_ids, (extra, 0), value=pad_token_id)
+        attention_mask = F.pad(attention_mask, (extra, 0), value=0)
+    return input_ids, attention_mask
+
+
+# The compiled decoder's prompt widths are rounded up to a multiple of this, so that a run sees a handful of shapes.
+COMPILED_WIDTH_STEP = 64
 
 
 def build_whole_snapshot(model: PreTrainedModel, device: torch.device) -> PreTrainedModel:
@@ -45,54 +61,62 @@ def generate_with_behavior_logprobs(
     synced_gpus: bool | None = None,
     interrupt: Callable[[], bool] | None = None,
     budgets: list[int] | None = None,
+    compiled: bool = False,
 ) -> tuple[list[list[int]], list[list[float]]]:
     """Sample one completion per prompt; return the completion ids (up to and including the first EOS) and, for
     each sampled token, its log-prob under the distribution it was sampled from.
 
     That distribution is `generate`'s processed scores (temperature, top-k, top-p and every other processor
     applied), i.e. exactly the behaviour policy. TRL's own HF-generate path returns no log-probs, hence this
-    function. The scores of all steps are held until the end of generation (B x T x V floats): fine for the
-    in-process backend's batch sizes; large-vocabulary, long-generation runs belong on a vLLM server. Once `stop` is
-    set, generation ends at the next token (the caller discards the incomplete result). `synced_gpus` is `generate`'s
-    (None: its default, True under ZeRO-3 / FSDP with several processes, where every process must step together);
-    a private snapshot passes False, since it is whole and must never enter a collective. Once `interrupt()`
-    returns True (asked after every token), generation ends there (a newer version is due: the caller continues the
-    unfinished rows). `budgets`:
-    row r samples at most `budgets[r]` tokens (default: `max_new_tokens` for every row).
+    function. Only the sampled token's log-prob of each step is kept (batch x tokens floats, see `_SampledLogprobs`),
+    never the scores of every step (`output_scores`: batch x tokens x vocabulary). Once `stop` is set, generation
+    ends at the next token (the caller discards the incomplete result). `synced_gpus` is `generate`'s (None: its
+    default, True under ZeRO-3 / FSDP with several processes, where every process must step together); a private
+    snapshot passes False, since it is whole and must never enter a collective. Once `interrupt()` returns True (asked
+    after every token), generation ends there (a newer version is due: the caller continues the unfinished rows).
+    `budgets`: row r samples at most `budgets[r]` tokens (default: `max_new_tokens` for every row).
+
+    `compiled`: decode with a static KV cache, which on CUDA makes `generate` compile its decoding step (torch.compile,
+    CUDA graphs; transformers' `_valid_auto_compile_criteria`). The shapes are kept few so that compilation is paid
+    once per run, not per batch: the prompt width is left-padded up to a multiple of `COMPILED_WIDTH_STEP` and every
+    call runs to the config's `max_new_tokens` (the per-row budgets end rows early; all rows done ends the call).
     """
     device = model.device
-    input_ids, attention_mask = left_pad(prompt_ids, pad_token_id)
-    width = input_ids.size(1)
+    if budgets is None:
+        budgets = [generation_config.max_new_tokens] * len(prompt_ids)
     generation_config = copy.deepcopy(generation_config)
-    generation_config.output_scores = True
-    generation_config.return_dict_in_generate = True
     # GRPOTrainer turns `use_cache` off in the policy's config (training has no use for it); without the KV cache,
     # every new token would recompute the whole sequence.
     generation_config.use_cache = True
-    if budgets is None:
-        budgets = [generation_config.max_new_tokens] * len(prompt_ids)
-    generation_config.max_new_tokens = max(budgets)
-    out = model.generate(
-        input_ids=input_ids.to(device),
-        attention_mask=attention_mask.to(device),
-        generation_config=generation_config,
-        stopping_criteria=StoppingCriteriaList([_StopWhen(stop, interrupt, width, budgets, eos_token_ids)]),
-        synced_gpus=synced_gpus,
-    )
-    if isinstance(out, torch.Tensor):  # a `generate` that ignores return_dict_in_generate (custom models, wrappers)
-        sequences, scores = out, _rescore(model, out, attention_mask.to(device), generation_config)
+    generation_config.output_scores = False
+    generation_config.return_dict_in_generate = False
+    width = max(map(len, prompt_ids))
+    if compiled:
+        generation_config.cache_implementation = "static"
+        generation_config.disable_compile = False
+        width = -(-width // COMPILED_WIDTH_STEP) * COMPILED_WIDTH_STEP
     else:
-        sequences, scores = out.sequences, out.scores
+        generation_config.max_new_tokens = max(budgets)
+    input_ids, attention_mask = left_pad(prompt_ids, pad_token_id, width)
+    capture = _SampledLogprobs(len(prompt_ids), generation_config.max_new_tokens, width, device)
+    stopping = _StopWhen(stop, interrupt, width, budgets, eos_token_ids, capture)
+    with capture.appended_to(model):
+        sequences = model.generate(
+            input_ids=input_ids.to(device),
+            attention_mask=attention_mask.to(device),
+            generation_config=generation_config,
+            stopping_criteria=StoppingCriteriaList([stopping]),
+            synced_gpus=synced_gpus,
+        )
+    if not isinstance(sequences, torch.Tensor):  # a `generate` that returns a dict whatever the config says
+        sequences = sequences.sequences
     completion = sequences[:, width:]
-    num_steps = min(len(scores), completion.size(1))
-    token_logprobs = torch.stack(
-        [
-            torch.log_softmax(scores[t].float(), dim=-1).gather(-1, completion[:, t : t + 1]).squeeze(-1)
-            for t in range(num_steps)
-        ],
-        dim=1,
-    ).cpu()
-    completion = completion[:, :num_steps].cpu()
+    num_steps = completion.size(1)
+    if capture.steps >= num_steps:
+        token_logprobs = capture.logprobs[:, :num_steps]
+    else:  # a `generate` that bypassed transformers' logits processors (custom decoding loops)
+        token_logprobs = _rescore(model, sequences, attention_mask.to(device), generation_config)
+    token_logprobs, completion = token_logprobs.cpu(), completion.cpu()
 
     eos = torch.tensor(eos_token_ids, dtype=torch.long)
     completion_ids, logprobs = [], []
@@ -104,21 +128,75 @@ def generate_with_behavior_logprobs(
     return completion_ids, logprobs
 
 
+class _SampledLogprobs(LogitsProcessor):
+    """Each step's sampled-token log-prob under the processed distribution, with memory batch x tokens.
+
+    Appended as the last logits processor of `generate`'s own chain (after temperature, top-k, top-p, min-p,
+    repetition penalty and every other processor transformers builds from the config), it holds the processed scores
+    of the current step; `generate` samples from exactly these (softmax, then multinomial or argmax) and then asks its
+    stopping criteria, where `_StopWhen` calls `record` with the sampled token appended. Custom processors passed to
+    `generate` are placed before the sampling warpers, so the chain's end can only be reached through
+    `_get_logits_processor`, which `appended_to` wraps on the (private) model for the duration of one call.
+    """
+
+    def __init__(self, batch: int, max_steps: int, prompt_width: int, device: torch.device):
+        self.logprobs = torch.zeros(batch, max_steps, dtype=torch.float32, device=device)
+        self.prompt_width, self.steps, self._scores = prompt_width, 0, None
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        self._scores = scores
+        return scores
+
+    def record(self, input_ids: torch.LongTensor) -> None:
+        step = input_ids.size(1) - self.prompt_width - 1
+        if self._scores is None or step >= self.logprobs.size(1):  # no processed step (a custom decoding loop)
+            return
+        sampled = input_ids[:, -1:]
+        self.logprobs[:, step] = torch.log_softmax(self._scores.float(), dim=-1).gather(-1, sampled).squeeze(-1)
+        self.steps, self._scores = step + 1, None
+
+    @contextlib.contextmanager
+    def appended_to(self, model: PreTrainedModel):
+        # A PEFT model's `generate` runs its base model's: the chain is built there.
+        model = model.get_base_model() if hasattr(model, "get_base_model") else model
+        build = model._get_logits_processor
+
+        def with_capture(*args, **kwargs):
+            processors = build(*args, **kwargs)
+            processors.append(self)
+            return processors
+
+        own = model.__dict__.get("_get_logits_processor")
+        model._get_logits_processor = with_capture
+        try:
+            yield
+        finally:
+            if own is None:
+                del model._get_logits_processor  # the class's method again
+            else:
+                model._get_logits_processor = own
+
+
 def _rescore(
     model: PreTrainedModel, sequences: torch.Tensor, prompt_mask: torch.Tensor, generation_config: GenerationConfig
-) -> list[torch.Tensor]:
-    """The processed scores `generate` sampled each completion token from, for a `generate` that returned the
-    sequences alone: one forward of the same weights over them (positions as `generate` counts them past the left
-    padding), then the logits processors `generate` itself builds from this config (transformers' own
-    `_get_logits_processor`, so temperature, top-k/p, min-p, penalties and every other processor are the same)."""
+) -> torch.Tensor:
+    """Each completion token's log-prob under the processed scores `generate` sampled it from, for a `generate` that
+    decodes outside transformers' processor chain: one forward of the same weights over the sequences (positions as
+    `generate` counts them past the left padding), then the logits processors `generate` itself builds from this
+    config (transformers' own `_get_logits_processor`), one step at a time. The forward's logits are the one
+    batch x tokens x vocabulary tensor of this path (reached only by custom decoding loops)."""
     width = prompt_mask.size(1)
     attention_mask = torch.cat([prompt_mask, torch.ones_like(sequences[:, width:])], dim=1)
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
     logits = model(input_ids=sequences, attention_mask=attention_mask, position_ids=position_ids).logits
-    logits = logits[:, width - 1 : -1].float()
+    logits = logits[:, width - 1 : -1]
     model._prepare_special_tokens(generation_config, kwargs_has_attention_mask=True, device=sequences.device)
     processors = model._get_logits_processor(generation_config, input_ids_seq_length=width, device=sequences.device)
-    return [processors(sequences[:, : width + t], logits[:, t]) for t in range(logits.size(1))]
+    steps = []
+    for t in range(logits.size(1)):
+        scores = processors(sequences[:, : width + t], logits[:, t].float())
+        steps.append(torch.log_softmax(scores, dim=-1).gather(-1, sequences[:, width + t, None]).squeeze(-1))
+    return torch.stack(steps, dim=1) if steps else logits.new_zeros(sequences.size(0), 0)
 
 
 class InProcessBackend:
@@ -143,11 +221,15 @@ class InProcessBackend:
         generation_config: GenerationConfig,
         pad_token_id: int,
         eos_token_ids: list[int],
+        compiled: bool = False,
     ):
         self.snapshot = snapshot.eval().requires_grad_(False)
         self.generation_config = generation_config
         self.pad_token_id = pad_token_id
         self.eos_token_ids = eos_token_ids
+        # Decode with the static cache and compiled steps (see `generate_with_behavior_logprobs`). Until one such call
+        # has succeeded, a failure (a model that cannot compile) switches to HF generate as configured, said once.
+        self.compiled, self._compiled_ok = compiled, False
         params = self.snapshot.state_dict()
         self._device = next(iter(params.values())).device
         self._stream = torch.cuda.Stream(self._device) if self._device.type == "cuda" else None
@@ -198,21 +280,38 @@ class InProcessBackend:
         loaded now), so its budget is the rest of `max_new_tokens`. Returns the new tokens, their log-probs, and per
         row whether it is unfinished (no EOS yet, budget left)."""
         budgets = [self.generation_config.max_new_tokens - done for done in generated]
+        generate = functools.partial(
+            generate_with_behavior_logprobs,
+            self.snapshot,
+            prompt_ids,
+            self.generation_config,
+            self.pad_token_id,
+            self.eos_token_ids,
+            stop=stop,
+            # The snapshot is whole and private: `generate`'s default under ZeRO-3 / FSDP (synced_gpus=True) would
+            # run an all_reduce per token from this thread, colliding with the trainer's collectives.
+            synced_gpus=False,
+            interrupt=interrupt,
+            budgets=budgets,
+        )
+        # The results are copied to the CPU at the end, which waits for this stream's work.
         with self._on_generator_stream(), torch.no_grad():
-            # The results are copied to the CPU at the end, which waits for this stream's work.
-            ids, logprobs = generate_with_behavior_logprobs(
-                self.snapshot,
-                prompt_ids,
-                self.generation_config,
-                self.pad_token_id,
-                self.eos_token_ids,
-                stop=stop,
-                # The snapshot is whole and private: `generate`'s default under ZeRO-3 / FSDP (synced_gpus=True) would
-                # run an all_reduce per token from this thread, colliding with the trainer's collectives.
-                synced_gpus=False,
-                interrupt=interrupt,
-                budgets=budgets,
-            )
+            if self.compiled:
+                try:
+                    ids, logprobs = generate(compiled=True)
+                    self._compiled_ok = True
+                except Exception as error:
+                    if self._compiled_ok or stop.is_set():
+                        raise
+                    logger.warning(
+                        "The in-process generator cannot decode with a static cache and compiled steps (%s: %s); it "
+                        "uses HF generate as configured from now on (generation_compile=False says so up front).",
+                        type(error).__name__,
+                        error,
+                    )
+                    self.compiled = False
+            if not self.compiled:
+                ids, logprobs = generate(compiled=False)
         eos = set(self.eos_token_ids)
         unfinished = [len(row) < budget and not (row and row[-1] in eos) for row, budget in zip(ids, budgets)]
         return ids, logprobs, unfinished
@@ -232,11 +331,13 @@ class _StopWhen(StoppingCriteria):
         prompt_width: int,
         budgets: list[int],
         eos_token_ids: list[int],
+        capture: _SampledLogprobs,
     ):
-        self.stop, self.interrupt, self.prompt_width = stop, interrupt, prompt_width
+        self.stop, self.interrupt, self.prompt_width, self.capture = stop, interrupt, prompt_width, capture
         self.budgets, self.eos, self.done = torch.tensor(budgets), torch.tensor(eos_token_ids), None
 
     def __call__(self, input_ids, scores, **kwargs):
+        self.capture.record(input_ids)
         if self.done is None:
             self.budgets, self.eos = self.budgets.to(input_ids.device), self.eos.to(input_ids.device)
             self.done = torch.zeros(input_ids.size(0), dtype=torch.bool, device=input_ids.device)
