@@ -27,17 +27,20 @@ import random
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
 import torch
 from datasets import Dataset
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast, Qwen2Config
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast, Qwen2Config, TrainerCallback
 from trl import GRPOConfig, GRPOTrainer
 
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import emulated_engine  # noqa: E402
 from prox_cost import SHAPES  # noqa: E402
+from report import emit  # noqa: E402
 
 from trl_a3po import A3POConfig, A3POTrainer  # noqa: E402
 
@@ -93,9 +96,11 @@ def make_model(name: str, tokenizer):
         torch.manual_seed(0)
         config = shape_config(name)
         config.pad_token_id, config.eos_token_id = tokenizer.pad_token_id, tokenizer.eos_token_id
-        return AutoModelForCausalLM.from_config(
-            config, dtype=torch.bfloat16 if torch.cuda.is_available() else torch.float32
-        )
+        # Built on the device itself: a random 1.5B model initialised on a slow host CPU takes a minute or more.
+        with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+            return AutoModelForCausalLM.from_config(
+                config, dtype=torch.bfloat16 if torch.cuda.is_available() else torch.float32
+            )
     from trl_a3po import resolve_model
 
     if name == "tiny":
@@ -118,10 +123,14 @@ def make_model(name: str, tokenizer):
 def run(method: str, args, tokenizer, dataset) -> dict:
     spec = dict(METHODS[method])
     trainer_cls, config_cls = spec.pop("trainer", A3POTrainer), spec.pop("config", A3POConfig)
+    if method == "sync" and args.backend == "emulated":  # the synchronous schedule on that engine, coupled loss
+        spec.update(async_generation=True, max_staleness=0)
     if config_cls is A3POConfig and spec.get("async_generation"):
         spec.setdefault("max_staleness", args.max_staleness)
         if args.backend == "vllm_server":
             spec.update(rollout_backend="vllm_server", vllm_server_port=args.vllm_port, weight_sync_transport="disk")
+        elif args.backend == "emulated":
+            spec.update(rollout_backend=emulated_engine.register(args.engine_rate))
     config = config_cls(
         output_dir=tempfile.mkdtemp(prefix=f"bench-{method}-"),
         max_steps=args.steps,
@@ -161,7 +170,13 @@ def run(method: str, args, tokenizer, dataset) -> dict:
         train_dataset=dataset,
         processing_class=tokenizer,
     )
-    wall, values = train_and_read_log(trainer)
+    clock = StepClock()
+    trainer.add_callback(clock)
+    busy = GPUBusy()
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+    with busy:
+        wall, values = train_and_read_log(trainer)
     history = trainer.state.log_history
     # the first generation batch (its optimizer steps): warm-up, and nothing to overlap with yet
     skip = args.steps_per_generation // args.gradient_accumulation_steps
@@ -171,18 +186,93 @@ def run(method: str, args, tokenizer, dataset) -> dict:
         for h in history
         if "completions/mean_length" in h
     )
+    per_version = args.steps_per_generation // args.gradient_accumulation_steps  # optimizer steps per version
+    version_s = clock.steady_seconds_per(per_version)
+    prox_per_step = statistics.mean(values("a3po/prox_time_s")) if values("a3po/prox_time_s") else float("nan")
+    gen_rates = values("a3po/gen/tokens_per_s")[1:] or values("a3po/gen/tokens_per_s")
     result = {
         "method": method,
         "step_s": statistics.median(step_times),
         "tokens_per_s": tokens / wall,
         "prox_s": statistics.median(values("a3po/prox_time_s")) if values("a3po/prox_time_s") else float("nan"),
-        "prox_mean_s": statistics.mean(values("a3po/prox_time_s")) if values("a3po/prox_time_s") else float("nan"),
+        "prox_mean_s": prox_per_step,
         "wait_s": sum(values("a3po/queue/trainer_wait_s")[1:]) / max(len(step_times), 1),
         "wall_s": wall,
+        # per version (generation batch) after the first one: the steady state, compilation and warm-up excluded
+        "version_s": version_s,
+        "prox_share": prox_per_step * per_version / version_s if version_s == version_s else float("nan"),
+        "generator_tokens_per_s": statistics.median(gen_rates) if gen_rates else float("nan"),
+        "trainer_idle": mean_or_nan(values("trainer/idle_ratio")[1:]),
+        "generator_idle": mean_or_nan(values("rollouter/idle_ratio")[1:]),
+        "gpu_busy": busy.share,
+        "peak_memory_gb": torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else float("nan"),
     }
+    emit(
+        args.jsonl,
+        args.table,
+        model=args.model,
+        backend=args.backend,
+        engine_rate=args.engine_rate if args.backend == "emulated" else None,
+        batch=args.batch,
+        steps_per_generation=args.steps_per_generation,
+        completion_tokens=args.completion_tokens,
+        **result,
+    )
     del trainer
     gc.collect()
     return result
+
+
+def mean_or_nan(xs):
+    return statistics.mean(xs) if xs else float("nan")
+
+
+class StepClock(TrainerCallback):
+    """When each optimizer step ended: the steady seconds per version, the first version (compilation, warm-up)
+    excluded."""
+
+    def __init__(self):
+        self.ends = []
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.ends.append(time.perf_counter())
+
+    def steady_seconds_per(self, steps_per_version: int) -> float:
+        marks = self.ends[steps_per_version - 1 :: steps_per_version]  # the end of each version
+        if len(marks) < 2:
+            return float("nan")
+        return (marks[-1] - marks[0]) / (len(marks) - 1)
+
+
+class GPUBusy:
+    """The share of 0.2 s samples in which nvidia-smi's utilisation counter read busy (mean percent / 100), while
+    training runs; NaN without CUDA or NVML."""
+
+    def __init__(self):
+        self.samples, self.done, self.thread = [], threading.Event(), None
+
+    def __enter__(self):
+        if torch.cuda.is_available():
+            try:
+                torch.cuda.utilization()
+            except Exception:  # no NVML here: no samples
+                return self
+            self.thread = threading.Thread(target=self._sample, daemon=True)
+            self.thread.start()
+        return self
+
+    def _sample(self):
+        while not self.done.wait(0.2):
+            self.samples.append(torch.cuda.utilization())
+
+    def __exit__(self, *exc):
+        self.done.set()
+        if self.thread is not None:
+            self.thread.join()
+
+    @property
+    def share(self) -> float:
+        return statistics.mean(self.samples) / 100 if self.samples else float("nan")
 
 
 def train_and_read_log(trainer):
@@ -231,7 +321,23 @@ def main():
     parser.add_argument("--prompt-tokens", type=int, default=128, help="*-shape models: words per random prompt")
     parser.add_argument("--gradient-accumulation-steps", type=int, default=1)
     parser.add_argument("--gradient-checkpointing", action="store_true")
-    parser.add_argument("--backend", default="inprocess", choices=["inprocess", "vllm_server"])
+    parser.add_argument(
+        "--backend",
+        default="inprocess",
+        choices=["inprocess", "vllm_server", "emulated"],
+        help="emulated: benchmarks/emulated_engine.py, a stand-in for an engine on other GPUs (no GPU used) that "
+        "returns --completion-tokens per row at --engine-rate tokens/s; `sync` then means the producer with "
+        "max_staleness=0 and the coupled loss",
+    )
+    parser.add_argument(
+        "--engine-rate",
+        type=float,
+        default=emulated_engine.DEFAULT_RATE,
+        help=f"the emulated engine's generated tokens/s (default {emulated_engine.DEFAULT_RATE:.0f}: the A-3PO "
+        "paper's setup 1 as reconstructed in issue 45, 256 x 1,024 tokens in ~35 s; not a published vLLM figure)",
+    )
+    parser.add_argument("--jsonl", default=None, help="also append each method's row to this JSON-lines file")
+    parser.add_argument("--table", default="methods", help="the table name written in each JSON line")
     parser.add_argument("--max-staleness", type=int, default=None, help="eta for the async methods (default: auto)")
     parser.add_argument("--vllm-port", type=int, default=8000)
     parser.add_argument("--dataset", default="recipes/data/gsm8k")
@@ -274,6 +380,11 @@ def main():
             ("prox s/step (median)", "prox_s", 22, ".6f"),
             ("prox s/step (mean)", "prox_mean_s", 20, ".6f"),
             ("wait s/step", "wait_s", 13, ".3f"),
+            ("s/version", "version_s", 11, ".2f"),
+            ("trainer idle", "trainer_idle", 14, ".2f"),
+            ("gen idle", "generator_idle", 10, ".2f"),
+            ("GPU busy", "gpu_busy", 10, ".2f"),
+            ("peak GB", "peak_memory_gb", 9, ".1f"),
             ("wall s", "wall_s", 9, ".1f"),
         ],
     )
@@ -292,6 +403,9 @@ def main():
             f"prox time (mean) recompute/loglinear = "
             f"{by['recompute']['prox_mean_s'] / by['loglinear']['prox_mean_s']:.0f}x"
         )
+    for slow in ("sync", "loglinear-noahead", "recompute"):
+        if slow in by and "loglinear" in by:
+            ratios.append(f"s/version {slow}/loglinear = {by[slow]['version_s'] / by['loglinear']['version_s']:.2f}x")
     if "grpo" in by and "sync" in by:
         ratios.append(f"step sync(A3POTrainer)/GRPOTrainer = {by['sync']['step_s'] / by['grpo']['step_s']:.3f}x")
     print("ratios: " + "; ".join(ratios))

@@ -13,12 +13,18 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
 from trl_a3po.proximal import approximate_prox_logp
+
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from report import emit  # noqa: E402
 
 
 SHAPES = {
@@ -67,7 +73,9 @@ def build(name: str, device: str, dtype: torch.dtype):
         model = AutoModelForCausalLM.from_pretrained(resolve_model(name), dtype=dtype)
     else:
         torch.manual_seed(0)
-        model = AutoModelForCausalLM.from_config(SHAPES[name](), dtype=dtype)
+        # Built on the device itself: a random 1.5B model initialised on a slow host CPU takes a minute or more.
+        with torch.device(device):
+            model = AutoModelForCausalLM.from_config(SHAPES[name](), dtype=dtype)
     return model.to(device).eval()
 
 
@@ -118,6 +126,7 @@ def main():
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", default=None, help="default: bfloat16 on cuda, float32 on cpu")
+    parser.add_argument("--jsonl", default=None, help="also append each row to this JSON-lines file")
     args = parser.parse_args()
     dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if args.device == "cuda" else torch.float32)
 
@@ -150,6 +159,15 @@ def main():
                 lambda: approximate_prox_logp("loglinear", behav, logp, staleness), args.device, args.repeats
             )
             print(f"{name:<24}{shape:>16}{t_recompute:>14.4f}{t_loglinear:>14.6f}{t_recompute / t_loglinear:>10.0f}x")
+            emit(
+                args.jsonl,
+                "prox_cost",
+                model=name,
+                shape=shape,
+                recompute_s=t_recompute,
+                loglinear_s=t_loglinear,
+                ratio=t_recompute / t_loglinear,
+            )
         del model  # free it before building the next one
 
 

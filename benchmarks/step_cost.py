@@ -19,6 +19,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from prox_cost import SHAPES, build, recompute, sync  # noqa: E402
+from report import emit  # noqa: E402
 
 from trl_a3po.proximal import aggregate_loss, approximate_prox_logp, decoupled_ppo_loss  # noqa: E402
 
@@ -64,6 +65,7 @@ def main():
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--gradient-checkpointing", action="store_true")
+    parser.add_argument("--jsonl", default=None, help="also append each row to this JSON-lines file")
     args = parser.parse_args()
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
 
@@ -110,6 +112,16 @@ def main():
     print(f"{'method':<11}{'step s (median)':>17}{'prox s (median)':>17}")
     for method, (times, proxes) in results.items():
         print(f"{method:<11}{statistics.median(times):>17.4f}{statistics.median(proxes):>17.6f}")
+        emit(
+            args.jsonl,
+            "step_cost",
+            model=args.model,
+            method=method,
+            batch=args.batch,
+            completion_tokens=args.completion_tokens,
+            step_s=statistics.median(times),
+            prox_s=statistics.median(proxes),
+        )
     rc, ll = results["recompute"], results["loglinear"]
     print(
         f"ratios: step recompute/loglinear = {statistics.median(rc[0]) / statistics.median(ll[0]):.3f}x; "

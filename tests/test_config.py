@@ -156,6 +156,8 @@ def test_a_generation_batch_must_end_on_an_optimizer_step(tmp_path, kwargs):
         (dict(rollout_backend="sglang"), r"rollout_backend='sglang' is not supported"),
         (dict(weight_sync_transport="rdma"), r"weight_sync_transport='rdma'"),
         (dict(weight_sync_steps=0), r"weight_sync_steps=0 must be >= 1"),
+        (dict(async_generation=False, generation_compile=True), r"generation_compile=True compiles the in-process"),
+        (dict(use_vllm=True, generation_compile=True), r"rollout_backend='vllm_colocate'. Leave\s+generation_compile"),
     ],
 )
 def test_generation_settings_are_validated(tmp_path, kwargs, pattern):

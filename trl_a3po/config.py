@@ -8,10 +8,10 @@ from dataclasses import dataclass, field
 from trl import GRPOConfig
 
 from .proximal import BEHAV_WEIGHT_LEVELS, BEHAV_WEIGHT_MODES, CLIPPED_LOSS_TYPES
+from .rollout.backend import BUILTIN_BACKENDS, backend_names
 
 
 PROX_LOGP_METHODS = ("loglinear", "recompute", "metrics")
-ROLLOUT_BACKENDS = ("inprocess", "vllm_server", "vllm_colocate")
 WEIGHT_SYNC_TRANSPORTS = ("auto", "nccl", "disk")
 LORA_WEIGHT_SYNCS = ("auto", "adapter", "merged")
 
@@ -80,6 +80,9 @@ class A3POConfig(GRPOConfig):
             Tools and environments, generated ahead: a tool call that has not returned after this many seconds fails.
         max_concurrent_episodes (`int`, *optional*, defaults to `64`):
             Tools and environments, generated ahead: episodes played at once (their tool calls run concurrently).
+        generation_compile (`bool` or `None`, *optional*, defaults to `None`):
+            In-process generation ahead: a static KV cache and compiled, CUDA-graph-captured decoding steps
+            (transformers' own), compiled once per run. None: on CUDA only.
     """
 
     prox_logp_method: str = field(
@@ -204,7 +207,7 @@ class A3POConfig(GRPOConfig):
             "use_vllm=True and vllm_mode='colocate', else `inprocess`. With asynchronous generation, "
             "use_vllm=True selects the backend and is then set to False: GRPOTrainer's own (synchronous) vLLM is "
             "not built.",
-            "choices": list(ROLLOUT_BACKENDS),
+            "choices": list(BUILTIN_BACKENDS),
         },
     )
     vllm_server_host: str = field(
@@ -475,9 +478,10 @@ class A3POConfig(GRPOConfig):
             self._generate_ahead_on_trls_vllm()
         if self.rollout_backend is None:
             self.rollout_backend = "inprocess"
-        if self.rollout_backend not in ROLLOUT_BACKENDS:
+        if self.rollout_backend not in backend_names():
             raise ValueError(
-                f"rollout_backend={self.rollout_backend!r} is not supported; use one of {ROLLOUT_BACKENDS}."
+                f"rollout_backend={self.rollout_backend!r} is not supported; use one of {backend_names()} (or "
+                "register yours: trl_a3po.rollout.register_backend)."
             )
         if self.weight_sync_transport not in WEIGHT_SYNC_TRANSPORTS:
             raise ValueError(
@@ -503,6 +507,12 @@ class A3POConfig(GRPOConfig):
             raise ValueError(
                 "inflight_weight_updates=True switches versions inside the producer's generations; it needs "
                 "async_generation=True. Set inflight_weight_updates=False."
+            )
+        if self.generation_compile and (not self.async_generation or self.rollout_backend != "inprocess"):
+            raise ValueError(
+                "generation_compile=True compiles the in-process generator of asynchronous generation; here "
+                f"async_generation={self.async_generation}, rollout_backend={self.rollout_backend!r}. Leave "
+                "generation_compile=None (vLLM compiles its own steps; synchronous generation is TRL's HF generate)."
             )
         if self.rollout_backend == "vllm_colocate":
             self._refuse_what_the_colocated_engine_lacks()

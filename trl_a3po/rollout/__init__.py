@@ -1,5 +1,6 @@
 """The generation side: knows token ids, log-probs and policy versions, nothing of losses."""
 
+from .backend import register_backend
 from .continuous import ContinuousGenerationQueue
 from .inprocess import InProcessBackend, build_whole_snapshot, generate_with_behavior_logprobs
 from .queue import (
@@ -22,5 +23,6 @@ __all__ = [
     "RolloutBackend",
     "StalenessBound",
     "build_whole_snapshot",
+    "register_backend",
     "generate_with_behavior_logprobs",
 ]

@@ -25,6 +25,7 @@ from accelerate.utils import broadcast_object_list, is_peft_model
 from torch.utils.data import BatchSampler, DataLoader
 from trl.trainer.utils import repeat_iterable_dataset
 
+from .backend import registered_backend
 from .continuous import ContinuousGenerationQueue
 from .episodes import Episode, EpisodeRunner
 from .inprocess import InProcessBackend, build_whole_snapshot
@@ -71,6 +72,7 @@ class AsyncRollout:
             or getattr(trainer, "_user_rollout_func", None) is not None
         )
         self.current: GeneratedShare | None = None  # the share being scored (environments' recorded observations)
+        self.last_take: float | None = None  # when the last `take` returned (perf_counter)
 
     @property
     def runs_producer(self) -> bool:
@@ -78,7 +80,10 @@ class AsyncRollout:
         its own generator. A vLLM server: the main process alone generates every process's share and hands each its
         part, so the server's weights have one owner (one push per version, from one process) and no request is
         mid-generation during a push."""
-        return self.args.rollout_backend in ("inprocess", "vllm_colocate") or self.accelerator.is_main_process
+        return (
+            self.args.rollout_backend != "vllm_server"  # in-process, colocated, registered backends
+            or self.accelerator.is_main_process
+        )
 
     @property
     def serves_other_processes(self) -> bool:
@@ -104,6 +109,14 @@ class AsyncRollout:
                 compiled=self.args.generation_compile
                 if self.args.generation_compile is not None
                 else self.accelerator.device.type == "cuda",
+            )
+            served = [self.accelerator.process_index]
+        elif (factory := registered_backend(self.args.rollout_backend)) is not None:
+            backend = factory(
+                self.args,
+                vocab_size=model.config.get_text_config().vocab_size,
+                eos_token_ids=list(trainer.eos_token_ids),
+                device=self.accelerator.device,
             )
             served = [self.accelerator.process_index]
         elif self.args.rollout_backend == "vllm_colocate":
@@ -185,7 +198,11 @@ class AsyncRollout:
                 for other in shares[: self.accelerator.process_index] + shares[self.accelerator.process_index + 1 :]:
                     self._release_environments(other)
             share = shares[self.accelerator.process_index]
-        share.stats["a3po/queue/trainer_wait_s"] = time.perf_counter() - start
+        now = time.perf_counter()
+        share.stats["a3po/queue/trainer_wait_s"] = now - start
+        if self.last_take is not None:  # the share of the last training step's wall the trainer spent waiting
+            share.stats["trainer/idle_ratio"] = (now - start) / max(now - self.last_take, 1e-9)
+        self.last_take = now
         return share
 
     def _produce(self, index: int, version: int):
@@ -212,6 +229,9 @@ class AsyncRollout:
         stats = {
             **self._episode_stats(batch.episodes),
             "a3po/queue/producer_idle_s": result.idle_s,
+            # the generator's idle share over this batch (waiting for the staleness bound), as verl names it
+            "rollouter/idle_ratio": result.idle_s
+            / max(result.idle_s + batch.generation_s + batch.weight_sync_s, 1e-9),
             "a3po/queue/depth": self.queue.depth,
             "a3po/gen/tokens_per_s": sum(map(len, batch.completion_ids)) / max(batch.generation_s, 1e-9),
             "a3po/gen/weight_sync_s": batch.weight_sync_s,
