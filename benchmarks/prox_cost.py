@@ -161,7 +161,7 @@ def main():
             print(f"{name:<24}{shape:>16}{t_recompute:>14.4f}{t_loglinear:>14.6f}{t_recompute / t_loglinear:>10.0f}x")
             emit(
                 args.jsonl,
-                "prox_cost",
+                "prox",
                 model=name,
                 shape=shape,
                 recompute_s=t_recompute,

@@ -114,7 +114,7 @@ def main():
         print(f"{method:<11}{statistics.median(times):>17.4f}{statistics.median(proxes):>17.6f}")
         emit(
             args.jsonl,
-            "step_cost",
+            "step",
             model=args.model,
             method=method,
             batch=args.batch,

@@ -1,6 +1,8 @@
 """The GPU check's scripts run where only torch and transformers are installed (the device machine has no TRL,
 datasets or math-verify), and print their ratio tables."""
 
+import collections
+import json
 import os
 import subprocess
 import sys
@@ -295,29 +297,61 @@ def test_demo_recipe_report_pairs_the_two_arms_by_seed(tmp_path, capsys):
     assert "trained past 15 minutes: demo-s0 (960 s), demo-s1 (960 s), sweep-recipe-s1 (955 s)" in out
 
 
-def test_gpu_check_runs_end_to_end_on_cpu_with_tiny_shapes():
-    # benchmarks/gpu_check.sh as the GPU machine runs it, with tiny shapes on this CPU: its three tables, the last
-    # from the real A3POTrainer with a synthetic tokenizer and reward (what the device has: no hub, no dataset).
+def run_gpu_check(tmp_path, *args):
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", "OMP_NUM_THREADS": "1"}
+    env.pop("OUT", None)
     result = subprocess.run(
-        ["bash", "benchmarks/gpu_check.sh", "--cpu"], cwd=REPO, env=env, capture_output=True, text=True, timeout=600
+        ["bash", "benchmarks/gpu_check.sh", "--cpu", "--out", str(tmp_path), *args],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
     )
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
-    rows = {
-        line.split()[0]: line.split()[1:]
-        for line in result.stdout.splitlines()
-        if line.split() and line.split()[0] in ("sync", "recompute", "loglinear", "loglinear-noahead")
-    }
-    assert sorted(rows) == ["loglinear", "loglinear-noahead", "recompute", "sync"], result.stdout[-3000:]
-    prox_mean = {method: float(values[3]) for method, values in rows.items() if method != "sync"}
-    assert prox_mean["recompute"] > prox_mean["loglinear"]  # a forward pass vs an element-wise interpolation
-    assert "ratios: wall sync/loglinear" in result.stdout and "model=tiny-shape device=cpu" in result.stdout
-    # table 4, the colocated vLLM engine, with the vLLM venv's Python (trl_a3po installed there by setup.sh)
-    colocated = [line.split() for line in result.stdout.splitlines() if line.startswith("loglinear-colocate ")]
-    if os.environ.get("A3PO_REQUIRE_VLLM") or vllm_python():
-        assert len(colocated) == 1 and float(colocated[0][2]) > 0, result.stdout[-3000:]  # generated tokens/s
-    else:
-        assert "4. colocated vLLM: skipped" in result.stdout
+    rows = [json.loads(line) for line in (tmp_path / "gpu_check.jsonl").read_text().splitlines()]
+    return result.stdout, rows
+
+
+def test_gpu_check_runs_every_table_on_cpu_with_tiny_shapes_and_writes_json_lines(tmp_path):
+    # benchmarks/gpu_check.sh as the GPU machine runs it, with tiny shapes on this CPU: every table, the end-to-end
+    # ones from the real A3POTrainer with a synthetic tokenizer and reward (what the device has: no hub, no dataset).
+    out, rows = run_gpu_check(tmp_path)
+    status = {row["table"]: row["status"] for row in rows if "status" in row}
+    want = {"decoders": "ok", "inprocess": "ok", "emulated": "ok", "prox": "ok", "step": "ok"}
+    colocated = os.environ.get("A3PO_REQUIRE_VLLM") or vllm_python()
+    want["colocate"] = "ok" if colocated else "skipped"
+    assert status == want, out[-3000:]
+    measured = collections.defaultdict(dict)
+    for row in rows:
+        if "status" not in row:
+            measured[row["table"]][row.get("method") or row.get("decoder") or row.get("shape")] = row
+    assert sorted(measured["decoders"]) == ["compiled", "hf-generate"]
+    assert all(row["tokens_per_s"] > 0 and row["recompilations"] == 0 for row in measured["decoders"].values())
+    assert sorted(measured["inprocess"]) == ["loglinear", "loglinear-noahead", "recompute", "sync"]
+    assert sorted(measured["emulated"]) == ["loglinear", "recompute", "sync"]
+    for table in ("inprocess", "emulated"):
+        rows_ = measured[table]
+        # a forward pass vs an element-wise interpolation
+        assert rows_["recompute"]["prox_mean_s"] > rows_["loglinear"]["prox_mean_s"]
+        assert all(row["version_s"] > 0 for row in rows_.values())
+    # the emulated engine generated at its rate (400 tok/s on CPU): the producer's measured rate is at most that
+    assert all(0 < row["generator_tokens_per_s"] <= 400 * 1.05 for row in measured["emulated"].values())
+    assert sorted(measured["prox"]) == ["2x16", "4x16"] and sorted(measured["step"]) == ["loglinear", "recompute"]
+    if colocated:
+        assert measured["colocate"]["loglinear-colocate"]["tokens_per_s"] > 0
+    assert "inprocess: s/version sync/loglinear" in out and "emulated: s/version sync/loglinear" in out
+    assert "decoders: compiled" in out and "prox 4x16: recompute" in out
+
+
+def test_a_table_past_its_time_box_ends_alone_and_the_later_tables_still_report(tmp_path):
+    out, rows = run_gpu_check(tmp_path, "--only", "decoders", "prox", "--time-box", "decoders=0.5")
+    assert [(row["table"], row["status"]) for row in rows if "status" in row] == [
+        ("decoders", "timed out after 0.5 s"),
+        ("prox", "ok"),
+    ]
+    assert [row["shape"] for row in rows if row["table"] == "prox" and "status" not in row] == ["2x16", "4x16"]
+    assert "prox 2x16: recompute" in out
 
 
 def test_agentic_benchmark_table_reports_means_and_ratios_to_sync():
