@@ -121,7 +121,7 @@ def main():
             completion_tokens=args.completion_tokens,
             **row,
         )
-    if len(rows) == 2:
+    if {"compiled", "hf-generate"} <= set(rows):
         ratio = rows["compiled"]["tokens_per_s"] / rows["hf-generate"]["tokens_per_s"]
         print(f"ratio: tok/s compiled / hf-generate = {ratio:.2f}x")
 
