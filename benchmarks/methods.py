@@ -311,8 +311,10 @@ def main():
     parser.add_argument(
         "--methods",
         nargs="+",
-        default=[method for method in METHODS if method != "loglinear-colocate"],  # (that one needs vLLM installed)
+        default=None,
         choices=list(METHODS),
+        help="default: every method but loglinear-colocate (it needs vLLM installed); with --backend emulated, sync "
+        "recompute loglinear (the others would not generate on it)",
     )
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--batch", type=int, default=8, help="per_device_train_batch_size (samples per step)")
@@ -362,6 +364,12 @@ def main():
         make_model("tiny", tokenizer).save_pretrained(args.save_tiny)
         tokenizer.save_pretrained(args.save_tiny)
         return
+    if args.methods is None:
+        args.methods = (
+            ["sync", "recompute", "loglinear"]
+            if args.backend == "emulated"
+            else [method for method in METHODS if method != "loglinear-colocate"]
+        )
     results = [run(method, args, tokenizer, dataset) for method in args.methods]
 
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"

@@ -196,8 +196,8 @@ class A3POConfig(GRPOConfig):
         default=None,
         metadata={
             "help": "Who generates in asynchronous mode. `inprocess`: a snapshot of the policy in a background "
-            "thread (HF"
-            " generate; CPU, one GPU). `vllm_server`: a running vLLM server (`trl vllm-serve`, or `vllm serve` "
+            "thread (HF generate; on CUDA with a static cache and compiled steps, see generation_compile; CPU, one "
+            "GPU). `vllm_server`: a running vLLM server (`trl vllm-serve`, or `vllm serve` "
             "with its flags) at vllm_server_base_url or vllm_server_host:vllm_server_port, with weights pushed by"
             " `weight_sync_transport`; a server that sends nothing for vllm_server_timeout seconds, or reports an"
             " error, stops training with its message. `vllm_colocate`: a vLLM engine inside each training "
