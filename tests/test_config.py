@@ -211,3 +211,17 @@ def test_the_docstring_documents_every_field_a3po_adds_in_trls_format():
             f"        {f.name} (`" in doc
             and f"defaults to `{default}`):" in doc.split(f"        {f.name} (`")[1].split("\n")[0]
         ), f.name
+
+
+def test_a_registered_backend_is_a_valid_rollout_backend_and_a_built_in_name_cannot_be_taken(tmp_path):
+    from trl_a3po.rollout import backend, register_backend
+
+    with pytest.raises(ValueError, match=r"rollout_backend 'inprocess' is built in"):
+        register_backend("inprocess", lambda *a, **k: None)
+    with pytest.raises(ValueError, match=r"rollout_backend='my_engine' is not supported"):
+        make(tmp_path, rollout_backend="my_engine")
+    register_backend("my_engine", lambda *a, **k: None)
+    try:
+        assert make(tmp_path, rollout_backend="my_engine").rollout_backend == "my_engine"
+    finally:
+        backend._FACTORIES.pop("my_engine")
