@@ -188,8 +188,9 @@ class AddingEnvironment:
             a: The first integer.
             b: The second integer.
         """
+        total = a + b  # arguments of a type that cannot be added raise here, uncounted (TRL counts a failed call)
         self.added += 1
-        return a + b
+        return total
 
     def get_reward(self) -> float:
         return float(self.added)
