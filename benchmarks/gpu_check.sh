@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU check for one H200 (the device tool; no network there; torch 2.11, transformers 5.17, accelerate, peft, no TRL
 # or datasets). First, here: `bash scripts/prepare_gpu_wheels.sh` (TRL + datasets wheels into the ignored .whl/).
-# Then one call, about 8 minutes:   run(command="bash benchmarks/gpu_check.sh", carry=[".whl"], timeout_s=570)
+# Then one call, about 8 minutes:   run(command="bash benchmarks/gpu_check.sh", carry=[".whl"], timeout_s=590)
 # The tables, their time boxes and the JSON lines they write: benchmarks/gpu_check.py (its --help).
 # `bash benchmarks/gpu_check.sh --cpu` runs every table's code path with tiny shapes on a CPU (tests/test_benchmarks.py).
 set -euo pipefail
