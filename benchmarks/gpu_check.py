@@ -32,6 +32,10 @@ from pathlib import Path
 
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from report import emit  # noqa: E402
+
+
 SHAPE = "qwen2.5-1.5b-shape"
 # The emulated engine's rate on the GPU: 64 x 1,024 tokens per version in ~1.9 s, about 0.8 of the trainer's time per
 # version there (4 optimizer steps of 16 x 1,152 tokens: ~2.3 s on the H200, 2026-12-04), the proportion of the paper's
@@ -140,8 +144,7 @@ def run_table(name: str, seconds: float, command: list, jsonl: str) -> str:
     command += ["--jsonl", jsonl]
     if name == "colocate" and not importable(command[0], "vllm", "trl_a3po"):
         print(f"\n== {name}: skipped (vLLM cannot be imported by {command[0]})", flush=True)
-        with open(jsonl, "a") as f:
-            f.write(json.dumps({"table": name, "status": "skipped", "python": command[0]}) + "\n")
+        emit(jsonl, name, status="skipped", python=command[0])
         return "skipped"
     print(f"\n== {name} (time box {seconds:.0f} s): {' '.join(command)}", flush=True)
     start = time.perf_counter()
@@ -153,8 +156,7 @@ def run_table(name: str, seconds: float, command: list, jsonl: str) -> str:
         os.killpg(process.pid, signal.SIGKILL)
         process.wait()
         status = f"timed out after {seconds:g} s"
-    with open(jsonl, "a") as f:
-        f.write(json.dumps({"table": name, "status": status, "seconds": time.perf_counter() - start}) + "\n")
+    emit(jsonl, name, status=status, seconds=time.perf_counter() - start)
     print(f"== {name}: {status} ({time.perf_counter() - start:.0f} s)", flush=True)
     return status
 

@@ -69,7 +69,7 @@ def test_tokens_and_logprobs_equal_hf_generates_processed_scores(tokenizer, do_s
     assert seen_eos > 0  # rows did end at EOS (and the others at their budgets)
 
 
-def test_the_memory_held_for_logprobs_grows_with_batch_times_tokens_not_vocabulary(tokenizer):
+def test_the_memory_held_for_logprobs_grows_with_batch_times_tokens_not_vocabulary(tokenizer, monkeypatch):
     """A 100k vocabulary: the old path (every step's scores) would hold batch x tokens x 100k floats. The decoder keeps
     one step's scores (generate's own temporaries) and a batch x tokens log-prob tensor."""
     vocab = 100_000
@@ -99,11 +99,8 @@ def test_the_memory_held_for_logprobs_grows_with_batch_times_tokens_not_vocabula
         record(self, input_ids)
         held.append((self.logprobs.numel(), self._scores))
 
-    inprocess._SampledLogprobs.record = spy
-    try:
-        ids, logprobs = generate_with_behavior_logprobs(model, [[5, 6, 7]] * batch, gen, 0, [1])
-    finally:
-        inprocess._SampledLogprobs.record = record
+    monkeypatch.setattr(inprocess._SampledLogprobs, "record", spy)
+    ids, logprobs = generate_with_behavior_logprobs(model, [[5, 6, 7]] * batch, gen, 0, [1])
     assert [len(row) for row in ids] == [tokens] * batch
     assert len(held) == tokens
     assert {numel for numel, _ in held} == {batch * tokens}  # the log-prob buffer: batch x tokens floats
@@ -193,3 +190,36 @@ def test_a_stop_ends_a_generation_within_one_step(tokenizer):
             model, [[5, 6]], config, tokenizer.pad_token_id, [tokenizer.eos_token_id], stop=stop, compiled=compiled
         )
         assert len(steps) == 3 and len(ids[0]) == 3  # the step that saw the stop was the last
+
+
+class OwnLoopModel(Qwen2ForCausalLM):
+    """A custom model whose `generate` is a decoding loop of its own (greedy, no KV cache), outside transformers'
+    logits processors: the log-probs then come from one forward over the sequences and the config's processors."""
+
+    def generate(self, input_ids, attention_mask, generation_config, stopping_criteria, **kwargs):
+        for _ in range(generation_config.max_new_tokens):
+            position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+            logits = self(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits
+            token = logits[:, -1].argmax(-1, keepdim=True)
+            input_ids = torch.cat([input_ids, token], 1)
+            attention_mask = torch.cat([attention_mask, torch.ones_like(token)], 1)
+            if stopping_criteria(input_ids, None).all():
+                break
+        return input_ids
+
+
+def test_a_decoding_loop_outside_the_processor_chain_gets_the_logprobs_of_the_distribution_it_sampled(tokenizer):
+    model = make_model(tokenizer)
+    own = OwnLoopModel(model.config).eval()
+    own.load_state_dict(model.state_dict())
+    config = generation_config(tokenizer, False, max_new_tokens=6)
+    prompts = [tokenizer("Natalia sold")["input_ids"], tokenizer("How many clips did")["input_ids"]]
+    ids, logprobs = generate_with_behavior_logprobs(
+        own, prompts, config, tokenizer.pad_token_id, [tokenizer.eos_token_id]
+    )
+    want_ids, want_logprobs = reference(
+        model.eval(), prompts, config, tokenizer.pad_token_id, [tokenizer.eos_token_id], [6, 6]
+    )
+    assert ids == want_ids and sum(map(len, ids)) > 6
+    for row, want in zip(logprobs, want_logprobs):
+        assert row == pytest.approx(want, abs=1e-5)
