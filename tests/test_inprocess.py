@@ -223,3 +223,51 @@ def test_a_decoding_loop_outside_the_processor_chain_gets_the_logprobs_of_the_di
     assert ids == want_ids and sum(map(len, ids)) > 6
     for row, want in zip(logprobs, want_logprobs):
         assert row == pytest.approx(want, abs=1e-5)
+
+
+def test_the_compiled_decoder_attends_with_grouped_query_heads_equal_to_transformers_sdpa(tokenizer, monkeypatch):
+    """A decoding step of a grouped-query model attends to the key/value heads as they are (no `repeat_kv` copies of
+    the cache): equal to transformers' SDPA attention, with a padding mask; the compiled backend's snapshot uses it,
+    for its decoding steps, and its tokens and log-probs stay HF generate's (the load test above)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from trl_a3po.rollout import inprocess
+
+    class GroupedQuery:
+        num_key_value_groups = 3
+
+    torch.manual_seed(0)
+    query, key, value = torch.randn(4, 6, 1, 16), torch.randn(4, 2, 10, 16), torch.randn(4, 2, 10, 16)
+    mask = torch.ones(4, 1, 1, 10, dtype=torch.bool)
+    mask[0, ..., :4] = mask[2, ..., :7] = False  # left padding
+    grouped, _ = inprocess.grouped_decode_sdpa(GroupedQuery(), query, key, value, mask, scaling=0.25)
+    repeated, _ = sdpa_attention_forward(GroupedQuery(), query, key, value, mask, scaling=0.25)
+    assert grouped.shape == repeated.shape == (4, 1, 6, 16)
+    torch.testing.assert_close(grouped, repeated, rtol=0, atol=1e-6)
+
+    snapshot = make_model(tokenizer)  # 4 query heads, 2 key/value heads
+    InProcessBackend(snapshot, generation_config(tokenizer, True), tokenizer.pad_token_id, [1], compiled=True)
+    assert snapshot.config._attn_implementation == inprocess.GROUPED_DECODE_SDPA
+    queries = []
+    real = inprocess.grouped_decode_sdpa
+
+    def spy(module, query, *args, **kwargs):
+        queries.append(query.shape[2])
+        return real(module, query, *args, **kwargs)
+
+    monkeypatch.setitem(inprocess.AttentionInterface._global_mapping, inprocess.GROUPED_DECODE_SDPA, spy)
+    prompts = [tokenizer("Natalia sold")["input_ids"], tokenizer("How many clips did")["input_ids"]]
+    ids, _ = generate_with_behavior_logprobs(
+        snapshot,
+        prompts,
+        generation_config(tokenizer, False, max_new_tokens=5),
+        tokenizer.pad_token_id,
+        [-1],
+        compiled=True,
+    )
+    assert [len(row) for row in ids] == [5, 5]
+    layers = snapshot.config.num_hidden_layers
+    assert queries[:layers] != [1] * layers and queries[layers:] == [1] * (4 * layers)  # prefill, then 4 decode steps
+    plain = make_model(tokenizer)
+    InProcessBackend(plain, generation_config(tokenizer, True), tokenizer.pad_token_id, [1], compiled=False)
+    assert plain.config._attn_implementation == "sdpa"

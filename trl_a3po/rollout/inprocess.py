@@ -12,7 +12,16 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
-from transformers import GenerationConfig, LogitsProcessor, PreTrainedModel, StoppingCriteria, StoppingCriteriaList
+from transformers import (
+    AttentionInterface,
+    GenerationConfig,
+    LogitsProcessor,
+    PreTrainedModel,
+    StoppingCriteria,
+    StoppingCriteriaList,
+)
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from trl.trainer.utils import pad
 
 from .staging import NamedTensors, StagedWeights, as_pairs, stage_copy, wait_until_staged
@@ -36,6 +45,40 @@ def left_pad(prompt_ids: list[list[int]], pad_token_id: int, width: int = 0) -> 
 
 # The compiled decoder's prompt widths are rounded up to a multiple of this, so that a run sees a handful of shapes.
 COMPILED_WIDTH_STEP = 64
+
+
+def grouped_decode_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    """transformers' SDPA attention, except in a decoding step (one query token) of a grouped-query model: there the
+    query heads that share a key/value head become that head's query rows, so the step reads the KV cache once.
+
+    transformers does the same outside torch.compile (`pack_gqa`, newer releases only); under compile, which is where
+    the static cache decodes, it repeats every key/value head for each of its query heads (`repeat_kv`), writing and
+    reading the whole cache again (6 times over for Qwen2.5-1.5B's 12 query / 2 key-value heads) in every layer of
+    every step, the bulk of a step at batch 64 (DESIGN.md, "The in-process decoder"). The mask is per row and
+    position, the same for every head, so it broadcasts over the query rows as it did over the heads.
+    """
+    groups = getattr(module, "num_key_value_groups", 1)
+    batch, heads, q_length, head_dim = query.shape
+    mask_per_head = attention_mask is not None and attention_mask.shape[1] != 1
+    if q_length != 1 or groups == 1 or mask_per_head or kwargs.get("position_bias") is not None:
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
+    output = F.scaled_dot_product_attention(
+        query.reshape(batch, heads // groups, groups, head_dim),
+        key,
+        value,
+        attn_mask=attention_mask,
+        dropout_p=dropout,
+        scale=scaling,
+    )
+    return output.reshape(batch, 1, heads, value.shape[-1]), None
+
+
+# The snapshot's attention when it decodes with the static cache and its model attends with "sdpa" (masks: SDPA's).
+GROUPED_DECODE_SDPA = "a3po_grouped_decode_sdpa"
+AttentionInterface.register(GROUPED_DECODE_SDPA, grouped_decode_sdpa)
+AttentionMaskInterface.register(GROUPED_DECODE_SDPA, sdpa_mask)
 
 
 def build_whole_snapshot(model: PreTrainedModel, device: torch.device) -> PreTrainedModel:
@@ -230,6 +273,8 @@ class InProcessBackend:
         # Decode with the static cache and compiled steps (see `generate_with_behavior_logprobs`). Until one such call
         # has succeeded, a failure (a model that cannot compile) switches to HF generate as configured, said once.
         self.compiled, self._compiled_ok = compiled, False
+        if compiled and self.snapshot.config._attn_implementation == "sdpa":
+            self.snapshot.set_attn_implementation(GROUPED_DECODE_SDPA)
         params = self.snapshot.state_dict()
         self._device = next(iter(params.values())).device
         self._stream = torch.cuda.Stream(self._device) if self._device.type == "cuda" else None
