@@ -18,8 +18,8 @@ from trl_a3po.rollout import register_backend
 
 
 # Generated tokens per second of the engine, by default: the A-3PO paper's setup 1 as issue 45 reconstructs it from
-# the H200 measurements (256 x 1,024 tokens per version in ~35 s of vLLM generation). Not a published vLLM figure:
-# none for this model size was found in the references at hand; pass --engine-rate for yours.
+# the H200 measurements (256 x 1,024 tokens per version in ~35 s of vLLM generation). Not a published vLLM figure: the
+# one found for this model size is a serving benchmark's (methods.py --help says which); pass --engine-rate for yours.
 DEFAULT_RATE = 7_500.0
 
 

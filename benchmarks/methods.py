@@ -336,7 +336,9 @@ def main():
         type=float,
         default=emulated_engine.DEFAULT_RATE,
         help=f"the emulated engine's generated tokens/s (default {emulated_engine.DEFAULT_RATE:.0f}: the A-3PO "
-        "paper's setup 1 as reconstructed in issue 45, 256 x 1,024 tokens in ~35 s; not a published vLLM figure)",
+        "paper's setup 1 as reconstructed in issue 45, 256 x 1,024 tokens in ~35 s; not a published vLLM figure: the "
+        "one found for Qwen2.5-1.5B, 2,195 output tok/s on an A100 with 1,000 / 2,000 tokens in / out (PR 1 of "
+        "github.com/simon-mo/vLLM-Benchmark), is a serving benchmark's, not a rollout batch's)",
     )
     parser.add_argument("--jsonl", default=None, help="also append each method's row to this JSON-lines file")
     parser.add_argument("--table", default="methods", help="the table name written in each JSON line")
