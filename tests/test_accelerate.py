@@ -1,5 +1,7 @@
 """Two CPU processes under `accelerate launch` (gloo): each rank trains its share of the synchronous order, async."""
 
+import contextlib
+import json
 import time
 
 import pytest
@@ -69,3 +71,29 @@ def test_a_failure_of_the_main_process_ends_every_process_with_the_original_erro
         errors = [line for line in output.splitlines() if line.startswith(f"[rank{rank}]:") and "Error" in line]
         assert any(message in line for line in errors), (rank, errors[-5:])
     assert elapsed < 60
+
+
+@pytest.mark.parametrize("mode", ["raise-rollout-func", "standin-raise-rollout-func", "raise-reset"])
+def test_the_users_exception_in_the_producer_reaches_train_as_itself_on_every_process(
+    tmp_path, mode, tool_tokenizer, tool_model_weights
+):
+    # In-process, each process's own producer raises it; on a server, the main process's producer raises it and sends
+    # it to the other process, which raises the same type with the same note.
+    from conftest import tool_model_saved
+    from standin_server import StandinServer
+
+    with contextlib.ExitStack() as stack:
+        extra = []
+        if mode.startswith("standin"):
+            extra = [stack.enter_context(StandinServer()).port]
+        elif mode == "raise-reset":
+            extra = [0, tool_model_saved(tmp_path / "model", tool_tokenizer, tool_model_weights)]
+        result = launch(tmp_path, mode, *extra, expect_failure=True)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    ranks = [json.loads((tmp_path / f"{mode}-rank{r}.json").read_text()) for r in range(2)]
+    want = "ResetFailed" if mode == "raise-reset" else "ZeroDivisionError"
+    assert [r["caught"] for r in ranks] == [want, want]
+    what = "FailingReset.reset" if mode == "raise-reset" else "rollout_func ('divides')"
+    for rank in ranks:
+        assert len(rank["notes"]) == 1 and what in rank["notes"][0]
+        assert "in A-3PO's generation producer while playing the episodes of batch 0" in rank["notes"][0]

@@ -519,7 +519,98 @@ def test_a_rollout_func_that_generates_elsewhere_is_refused(tmp_path, tokenizer,
         processing_class=tokenizer,
         rollout_func=own_server,
     )
-    with pytest.raises(Exception, match=r"must generate through `trainer.a3po_generate\(prompt_ids\)`") as info:
+    with pytest.raises(ValueError, match=r"must generate through `trainer.a3po_generate\(prompt_ids\)`") as info:
         trainer.train()
-    assert "ProducerError" in type(info.value).__name__
+    assert "in A-3PO's generation producer while playing the episodes of batch 0" in info.value.__notes__[-1]
+    assert agentic_threads() == []
+
+
+class ResetFailed(Exception):
+    """A user's own exception type, raised by an environment."""
+
+
+class FailingReset(AddingEnvironment):
+    def reset(self, **row):
+        raise ResetFailed(f"no such task: {row['prompt'][-1]['content'][:20]}")
+
+
+def test_the_users_exceptions_in_the_producer_reach_train_as_themselves(
+    tmp_path, tool_tokenizer, tool_model, tokenizer, model, prompt_dataset
+):
+    """An environment's reset, a rollout_func, a dataset row naming an unknown environment: `train()` raises the
+    user's own exception type, as GRPOTrainer does, with a note naming where the producer was."""
+    from trl import GRPOConfig, GRPOTrainer
+
+    unknown = tool_dataset(environment=["nowhere"] * 16)
+    factories = {"counter": AddingEnvironment}
+    raised = {}
+    for trainer_class, config_class in ((GRPOTrainer, GRPOConfig), (A3POTrainer, A3POConfig)):
+        args = config_class(**{**COMMON, "max_completion_length": 128, "max_steps": 2, "output_dir": str(tmp_path)})
+        trainer = trainer_class(
+            tool_model,
+            lambda completions, **kw: [0.0] * len(completions),
+            args=args,
+            train_dataset=unknown,
+            processing_class=tool_tokenizer,
+            environment_factory=factories,
+        )
+        with pytest.raises(ValueError, match=r"Example has `environment='nowhere'`, which is not among") as info:
+            trainer.train()
+        raised[trainer_class] = info.value
+    assert str(raised[A3POTrainer]) == str(raised[GRPOTrainer])
+    assert raised[A3POTrainer].__notes__ == [
+        "(raised by a dataset row's environment ('nowhere'), in A-3PO's generation producer while playing the "
+        "episodes of batch 0)"
+    ]
+
+    trainer = A3POTrainer(
+        tool_model,
+        lambda completions, **kw: [0.0] * len(completions),
+        args=config(tmp_path),
+        train_dataset=tool_dataset(),
+        processing_class=tool_tokenizer,
+        environment_factory=FailingReset,
+    )
+    with pytest.raises(ResetFailed, match="no such task") as info:
+        trainer.train()
+    assert "FailingReset.reset" in info.value.__notes__[0]
+    assert trainer.state.global_step == 0 and agentic_threads() == []
+
+    def divides(prompts, trainer):
+        return 1 / 0
+
+    trainer = A3POTrainer(
+        model,
+        lambda completions, **kw: [0.0] * len(completions),
+        args=config(tmp_path, max_completion_length=8),
+        train_dataset=prompt_dataset,
+        processing_class=tokenizer,
+        rollout_func=divides,
+    )
+    with pytest.raises(ZeroDivisionError) as info:
+        trainer.train()
+    assert "rollout_func ('divides')" in info.value.__notes__[0]
+    assert agentic_threads() == []
+
+
+def test_a_failure_of_the_generation_a_rollout_func_asks_for_stays_a_producer_error(
+    tmp_path, tokenizer, model, prompt_dataset, monkeypatch
+):
+    from trl_a3po.rollout import InProcessBackend, ProducerError
+
+    def broken(self, prompt_ids, stop):
+        raise RuntimeError("the generator broke (injected)")
+
+    monkeypatch.setattr(InProcessBackend, "generate", broken)
+    trainer = A3POTrainer(
+        model,
+        lambda completions, **kw: [0.0] * len(completions),
+        args=config(tmp_path, max_completion_length=8),
+        train_dataset=prompt_dataset,
+        processing_class=tokenizer,
+        rollout_func=two_turn_rollout([]),
+    )
+    with pytest.raises(ProducerError, match="the generator broke") as info:
+        trainer.train()
+    assert isinstance(info.value.__cause__, RuntimeError)
     assert agentic_threads() == []

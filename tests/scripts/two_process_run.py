@@ -19,6 +19,10 @@ waits for the next version instead (test_async.py's `wait_for_the_next_version`)
 generates every admitted batch at once (continuous_generation: in-process merged into one `generate`, on the server
 as concurrent requests).
 
+`raise-rollout-func` (in-process: a producer per rank), `standin-raise-rollout-func PORT` (the main process generates
+for both, on a stand-in server) and `raise-reset PORT MODEL_DIR` (an environment, in-process) run user code that
+raises in the producer: each rank writes OUT_DIR/<mode>-rank<r>.json with the type `train()` raised and its notes.
+
 `vllm-nccl-standin` replaces TRL's VLLMClient (the NCCL weight transfer, which needs GPUs) with a recorder, to count
 who initialises a communicator and how many pushes reach it; generation still runs on the real server.
 """
@@ -58,10 +62,23 @@ def model_tokens(sample):
     return mask & sample["tool_mask"].bool() if "tool_mask" in sample else mask
 
 
+class ResetFailed(Exception):
+    """The user's own exception type (an environment's reset raises it)."""
+
+
+class FailingReset(AddingEnvironment):
+    def reset(self, **row):
+        raise ResetFailed("the environment has no task for this row")
+
+
+def divides(prompts, trainer):  # a rollout_func with a bug
+    return 1 / len(prompts[:0])
+
+
 out_dir, run_name = Path(sys.argv[1]), sys.argv[2]
 mode = run_name.removesuffix("-iterable")  # `*-iterable`: the same run on the dataset streamed (IterableDataset)
 inflight = mode.endswith("-inflight")
-agentic = mode.endswith(("-tools", "-env"))
+agentic = mode.endswith(("-tools", "-env", "-reset"))
 seen = []
 
 if mode.endswith("-continuous-inflight"):
@@ -211,13 +228,23 @@ trainer = A3POTrainer(
     processing_class=tokenizer,
     peft_config=peft_config,
     tools=[add] if mode.endswith("-tools") else None,
-    environment_factory=AddingEnvironment if mode.endswith("-env") else None,
+    environment_factory={"-env": AddingEnvironment, "-reset": FailingReset}.get(mode[mode.rfind("-") :]),
+    rollout_func=divides if mode.endswith("raise-rollout-func") else None,
 )
 versions = VersionRecorder(trainer)
 trainer.add_callback(versions)
 samples = record_trained_samples(trainer)
-trainer.train()
 rank = trainer.accelerator.process_index
+if "raise-" in mode:
+    try:
+        trainer.train()
+    except (ZeroDivisionError, ResetFailed) as error:  # as a user catches their own error around train()
+        caught = {"caught": type(error).__name__, "notes": getattr(error, "__notes__", [])}
+        (out_dir / f"{run_name}-rank{rank}.json").write_text(json.dumps(caught))
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+trainer.train()
 checked = 0
 if mode != "vllm-nccl-standin":  # the stand-in pushes nothing: the server keeps its first weights
     checked = check_behaviour_logprobs_against_versions(

@@ -2,12 +2,12 @@
 
 from .backend import register_backend
 from .continuous import ContinuousGenerationQueue
+from .errors import ProducerError
 from .inprocess import InProcessBackend, build_whole_snapshot, generate_with_behavior_logprobs
 from .queue import (
     GeneratedBatch,
     GenerationQueue,
     GenerationResult,
-    ProducerError,
     RolloutBackend,
     StalenessBound,
 )

@@ -28,9 +28,10 @@ from trl.trainer.utils import repeat_iterable_dataset
 from .backend import registered_backend
 from .continuous import ContinuousGenerationQueue
 from .episodes import Episode, EpisodeRunner
+from .errors import for_other_processes
 from .inprocess import InProcessBackend, build_whole_snapshot
 from .policy_weights import policy_tensors
-from .queue import GenerationQueue, ProducerError, StalenessBound
+from .queue import GenerationQueue, StalenessBound
 
 
 @dataclass
@@ -188,7 +189,7 @@ class AsyncRollout:
             if self.serves_other_processes and self.accelerator.is_main_process:
                 # Tell the other processes before raising (a failed start, probe, publish or generation), or they
                 # would wait for their share until the collective times out.
-                broadcast_object_list([ProducerError(f"the main process's generation failed: {error!r}")])
+                broadcast_object_list([for_other_processes(error)])
             raise
         if self.serves_other_processes:
             shares = broadcast_object_list([share])[0]  # every process takes its own part

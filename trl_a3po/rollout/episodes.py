@@ -41,6 +41,8 @@ from trl import GRPOTrainer
 from trl.chat_template_utils import parse_response
 from trl.data_utils import is_conversational
 
+from .errors import our_code, user_code
+
 
 @dataclass
 class Episode:
@@ -204,7 +206,12 @@ class EpisodeRunner:
         server, TRL's vLLM client) cannot say which weights sampled its tokens: refused."""
         view = _RolloutFuncView(self, generate_turn)
         prompts = [copy.deepcopy(row["prompt"]) for row in rows]
-        output = self.rollout_func(prompts, view)
+        with user_code(f"rollout_func ({getattr(self.rollout_func, '__name__', self.rollout_func)!r})"):
+            output = self.rollout_func(prompts, view)
+            return self._episodes_of(rows, prompts, output, view)
+
+    @staticmethod
+    def _episodes_of(rows: list[dict], prompts: list, output: dict, view: _RolloutFuncView) -> list[Episode]:
         missing = {"prompt_ids", "completion_ids", "logprobs"} - set(output)
         if missing:
             raise ValueError(f"rollout_func must return keys {sorted(missing)} in its output dict.")
@@ -253,15 +260,17 @@ class EpisodeRunner:
         environment, observation = None, None
         if self.environments is not None:
             # TRL's preamble (`_generate_and_score_completions`), for one row: its environment, reset with the row.
-            if self._multi_environment and name not in self._trainer.environment_factories:
-                raise ValueError(
-                    f"Example has `environment={name!r}`, which is not among the environments passed to "
-                    f"`environment_factory`. Expected one of: {list(self._trainer.environment_factories)}."
-                )
+            with user_code(f"a dataset row's environment ({name!r})"):
+                if self._multi_environment and name not in self._trainer.environment_factories:
+                    raise ValueError(
+                        f"Example has `environment={name!r}`, which is not among the environments passed to "
+                        f"`environment_factory`. Expected one of: {list(self._trainer.environment_factories)}."
+                    )
+                environment = self.environments.acquire(name)  # the factory, the first time
             prompt = copy.deepcopy(row.get("prompt", [{"role": "user", "content": ""}]))
-            environment = self.environments.acquire(name)
             reset_kwargs = {k: v for k, v in row.items() if k != "environment"} if self._multi_environment else row
-            observation = environment.reset(**reset_kwargs)
+            with user_code(f"the environment's reset ({type(environment).__name__}.reset)"):
+                observation = environment.reset(**reset_kwargs)
             if observation is not None:
                 prompt = with_observation(prompt, observation)
         else:
@@ -480,7 +489,8 @@ class _RolloutFuncView:
         self.generated_tokens = 0
 
     def a3po_generate(self, prompt_ids: list[list[int]]) -> tuple[list[list[int]], list[list[float]]]:
-        ids, logprobs, versions = self._generate_turn([list(p) for p in prompt_ids], switch=False)
+        with our_code():
+            ids, logprobs, versions = self._generate_turn([list(p) for p in prompt_ids], switch=False)
         held = {v for row in versions for v in row}
         self.version = next(iter(held), self.version)
         self.generated_tokens += sum(map(len, ids))

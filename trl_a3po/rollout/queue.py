@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from .episodes import EpisodesStopped
+from .errors import as_raised_in_train
 
 
 @dataclass(frozen=True)
@@ -102,10 +103,6 @@ class _Request:
 @dataclass
 class _Failure:
     error: BaseException
-
-
-class ProducerError(RuntimeError):
-    """The producer thread failed; the original exception is the `__cause__`."""
 
 
 class GenerationQueue:
@@ -212,9 +209,7 @@ class GenerationQueue:
 
     def raise_if_failed(self) -> None:
         if self._error is not None:
-            raise ProducerError(
-                f"the generation producer failed while {self._doing}: {self._error!r}"
-            ) from self._error
+            raise as_raised_in_train(self._error, self._doing)
 
     @property
     def depth(self) -> int:
