@@ -57,8 +57,8 @@ class EmulatedEngine:
 def register(rate: float = DEFAULT_RATE, name: str = "emulated") -> str:
     """Register the engine as `rollout_backend=name`, generating `rate` tokens per second."""
 
-    def build(args, *, vocab_size, eos_token_ids, device):
-        return EmulatedEngine(args.max_completion_length, vocab_size, eos_token_ids, rate)
+    def build(context):
+        return EmulatedEngine(context.args.max_completion_length, context.vocab_size, context.eos_token_ids, rate)
 
     register_backend(name, build)
     return name

@@ -665,3 +665,84 @@ def test_a_cooled_sampler_keeps_every_token_on_its_recorded_version(tmp_path, to
     assert check_behaviour_logprobs_against_versions(trainer, versions, samples, atol=1e-5, temperature=0.7) == 8 * 4
     with pytest.raises(AssertionError):
         check_behaviour_logprobs_against_versions(trainer, versions, samples, atol=1e-3, temperature=1.0)
+
+
+class SamplingLoop:
+    """A backend written here and nowhere else: a private copy of the policy, sampled one token at a time without a
+    cache, each token's behaviour log-prob read from the distribution it was drawn from (softmax at the config's
+    temperature). No `generate_until`: its registry row says it has no in-flight updates or continuous generation."""
+
+    serves_concurrent_requests = False
+
+    def __init__(self, context):
+        self.model = type(context.model)(context.model.config).eval()
+        self.temperature = context.args.temperature
+        self.max_tokens = context.args.max_completion_length
+        self.eos = set(context.eos_token_ids)
+        self.loads = 0
+
+    def stage(self, named_tensors):
+        items = named_tensors.items() if hasattr(named_tensors, "items") else named_tensors
+        return {name: tensor.detach().clone() for name, tensor in items}
+
+    def load(self, staged):
+        start = time.perf_counter()
+        self.model.load_state_dict(staged, strict=False)  # (a tied lm_head arrives as the embedding)
+        self.loads += 1
+        return time.perf_counter() - start
+
+    @torch.no_grad()
+    def generate(self, prompt_ids, stop):
+        completions, logprobs = [], []
+        for prompt in prompt_ids:
+            ids, lps = [], []
+            while len(ids) < self.max_tokens and not stop.is_set():
+                logits = self.model(torch.tensor([prompt + ids])).logits[0, -1].float() / self.temperature
+                distribution = torch.log_softmax(logits, -1)
+                token = int(torch.multinomial(distribution.exp(), 1))
+                ids.append(token)
+                lps.append(float(distribution[token]))
+                if token in self.eos:
+                    break
+            completions.append(ids)
+            logprobs.append(lps)
+        return completions, logprobs
+
+    def close(self):
+        pass
+
+
+def test_a_backend_defined_in_a_test_trains_asynchronously_through_the_registry(tmp_path, tokenizer, prompt_dataset):
+    from trl_a3po.rollout import backend, register_backend
+
+    built = []
+
+    def build(context):
+        built.append(SamplingLoop(context))
+        return built[-1]
+
+    register_backend("sampling_loop", build, inflight_updates=False, continuous_generation=False)
+    try:
+        with pytest.raises(ValueError, match=r"inflight_weight_updates=True: rollout_backend='sampling_loop' does"):
+            make(tmp_path, tokenizer, prompt_dataset, rollout_backend="sampling_loop", inflight_weight_updates=True)
+        trainer = make(
+            tmp_path,
+            tokenizer,
+            prompt_dataset,
+            rollout_backend="sampling_loop",
+            steps_per_generation=2,
+            max_steps=8,
+            max_staleness=2,
+            learning_rate=1e-2,
+        )
+        versions = VersionRecorder(trainer)
+        trainer.add_callback(versions)
+        samples = record_trained_samples(trainer)
+        generate_two_versions_ahead(trainer)
+        trainer.train()
+    finally:
+        backend._REGISTRY.pop("sampling_loop")
+    assert len(built) == 1 and built[0].loads >= 2  # one generator, several versions loaded into it
+    assert check_behaviour_logprobs_against_versions(trainer, versions, samples, atol=1e-5) == 8 * 4
+    assert max(logged(trainer, "a3po/staleness/max")) == 2  # generated ahead, up to the bound
+    assert producer_threads() == []

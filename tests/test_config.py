@@ -224,4 +224,4 @@ def test_a_registered_backend_is_a_valid_rollout_backend_and_a_built_in_name_can
     try:
         assert make(tmp_path, rollout_backend="my_engine").rollout_backend == "my_engine"
     finally:
-        backend._FACTORIES.pop("my_engine")
+        backend._REGISTRY.pop("my_engine")

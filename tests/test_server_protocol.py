@@ -337,3 +337,19 @@ def test_a_data_parallel_replica_that_missed_a_push_stops_training_naming_it(tmp
             r"\]; replicas reporting: \['dp0', 'dp1'\] of 2\): a replica missed the push",
         ):
             train_against(server, tmp_path / "missed", tokenizer, prompt_dataset)
+
+
+def test_a_server_beyond_loopback_with_open_dev_routes_is_named_once(tmp_path, monkeypatch, caplog):
+    # vLLM checks an API key on /v1, /v2, /inference and /cohere only: with dev mode, its weight and RPC routes answer
+    # anyone. Reached at an address other than loopback, the probe says so once, and how to close it.
+    assert vllm_module._is_loopback("127.0.0.1") and vllm_module._is_loopback("localhost")
+    assert not vllm_module._is_loopback("10.1.2.3") and not vllm_module._is_loopback("no-such-host.invalid")
+    for beyond_loopback in (False, True):
+        monkeypatch.setattr(vllm_module, "_is_loopback", lambda host: not beyond_loopback)
+        caplog.clear()
+        with StandinServer("ok") as server, caplog.at_level("WARNING", logger="trl_a3po.rollout.vllm_server"):
+            transport = vllm_module.DiskTransport(str(tmp_path / "sync"))
+            VLLMServerBackend(f"http://127.0.0.1:{server.port}", transport, {}).close()
+        opened = [r.getMessage() for r in caplog.records if "development routes without an API key" in r.getMessage()]
+        assert len(opened) == (1 if beyond_loopback else 0)
+    assert "/collective_rpc" in opened[0] and "Bind it to a private interface (`--host`)" in opened[0]

@@ -376,6 +376,46 @@ def test_a_real_server_without_dev_mode_is_refused_before_the_first_step(tmp_pat
     assert "POST /collective_rpc" not in log and "POST /v1/completions" not in log
 
 
+def test_a_server_started_with_an_api_key_trains_with_vllm_api_key(tmp_path, vllm_server, prompt_dataset, monkeypatch):
+    # `trl vllm-serve ... --api-key KEY` (how shared clusters run it): without VLLM_API_KEY, or with another key, the
+    # probe names the variable before any step or push; with it, a TRL user's server config trains, every token
+    # checked against its recorded version.
+    key = "a3po-test-key"
+    with another_server(vllm_server, {}, ("--api-key", key)) as server:
+        for env_key, refusal in ((None, r"wants an API key .*set VLLM_API_KEY"), ("other", r"refused the API key")):
+            if env_key is None:
+                monkeypatch.delenv("VLLM_API_KEY", raising=False)
+            else:
+                monkeypatch.setenv("VLLM_API_KEY", env_key)
+            trainer = make_trainer(tmp_path / str(env_key), server, prompt_dataset, weight_sync_transport="disk")
+            with pytest.raises(VLLMServerSetupError, match=refusal):
+                trainer.train()
+            assert trainer.state.global_step == 0
+        monkeypatch.setenv("VLLM_API_KEY", key)
+        trainer = make_trainer(
+            tmp_path / "key",
+            server,
+            prompt_dataset,
+            steps_per_generation=2,
+            max_steps=4,
+            weight_sync_transport="disk",
+            max_staleness=1,
+            learning_rate=1e-2,
+        )
+        versions = VersionRecorder(trainer)
+        trainer.add_callback(versions)
+        samples = record_trained_samples(trainer)
+        trainer.train()
+        assert check_behaviour_logprobs_against_versions(trainer, versions, samples, atol=1e-3) == 4 * 4
+        # vLLM guards /v1 with the key, not its development routes (the warning for servers beyond loopback)
+        url = f"http://127.0.0.1:{server['port']}"
+        assert requests.get(f"{url}/v1/models", timeout=10).status_code == 401
+        assert requests.get(f"{url}/server_info", timeout=10).status_code == 200
+        log = server["log"].read_text()
+    assert log.count('"GET /v1/models HTTP/1.1" 401') >= 3 and '"GET /v1/models HTTP/1.1" 200' in log
+    assert '"POST /v1/completions HTTP/1.1" 200' in log and '"POST /v1/completions HTTP/1.1" 401' not in log
+
+
 def kill_server_group(port: int) -> None:
     """SIGKILL a local_vllm_server's whole process group (API server, engine core), found by its port."""
     for pid in os.listdir("/proc"):

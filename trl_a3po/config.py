@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from trl import GRPOConfig
 
 from .proximal import BEHAV_WEIGHT_LEVELS, BEHAV_WEIGHT_MODES, CLIPPED_LOSS_TYPES
-from .rollout.backend import BUILTIN_BACKENDS, backend_names
+from .rollout.backend import backend_entry
 
 
 PROX_LOGP_METHODS = ("loglinear", "recompute", "metrics")
@@ -206,8 +206,7 @@ class A3POConfig(GRPOConfig):
             "TRL's fields say, `vllm_server` with use_vllm=True and vllm_mode='server', `vllm_colocate` with "
             "use_vllm=True and vllm_mode='colocate', else `inprocess`. With asynchronous generation, "
             "use_vllm=True selects the backend and is then set to False: GRPOTrainer's own (synchronous) vLLM is "
-            "not built.",
-            "choices": list(BUILTIN_BACKENDS),
+            "not built. Or the name of a backend registered with trl_a3po.rollout.register_backend.",
         },
     )
     vllm_server_host: str = field(
@@ -478,11 +477,7 @@ class A3POConfig(GRPOConfig):
             self._generate_ahead_on_trls_vllm()
         if self.rollout_backend is None:
             self.rollout_backend = "inprocess"
-        if self.rollout_backend not in backend_names():
-            raise ValueError(
-                f"rollout_backend={self.rollout_backend!r} is not supported; use one of {backend_names()} (or "
-                "register yours: trl_a3po.rollout.register_backend)."
-            )
+        backend = backend_entry(self.rollout_backend)  # (an unknown name: a ValueError listing the registered ones)
         if self.weight_sync_transport not in WEIGHT_SYNC_TRANSPORTS:
             raise ValueError(
                 f"weight_sync_transport={self.weight_sync_transport!r} is not supported; use one of "
@@ -492,7 +487,7 @@ class A3POConfig(GRPOConfig):
             raise ValueError(
                 f"lora_weight_sync={self.lora_weight_sync!r} is not supported; use one of {LORA_WEIGHT_SYNCS}."
             )
-        if self.lora_weight_sync == "adapter" and self.rollout_backend != "vllm_server":
+        if self.lora_weight_sync == "adapter" and not backend.adapters:
             raise ValueError(
                 "lora_weight_sync='adapter' sends LoRA adapters to a vLLM server; with rollout_backend="
                 f"{self.rollout_backend!r} the generator always runs the merged weights: set lora_weight_sync='auto' "
@@ -516,6 +511,15 @@ class A3POConfig(GRPOConfig):
             )
         if self.rollout_backend == "vllm_colocate":
             self._refuse_what_the_colocated_engine_lacks()
+        for name, capable in (
+            ("inflight_weight_updates", backend.inflight_updates),
+            ("continuous_generation", backend.continuous_generation),
+        ):
+            if getattr(self, name) and not capable:
+                raise ValueError(
+                    f"{name}=True: rollout_backend={self.rollout_backend!r} does not support it (its registry entry "
+                    f"says so). Set {name}=False."
+                )
         if self.weight_sync_steps < 1:
             raise ValueError(f"weight_sync_steps={self.weight_sync_steps} must be >= 1.")
         if self.max_staleness is None:

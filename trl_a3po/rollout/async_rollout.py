@@ -21,15 +21,14 @@ from dataclasses import dataclass
 
 import datasets
 from accelerate.data_loader import BatchSamplerShard, prepare_data_loader
-from accelerate.utils import broadcast_object_list, is_peft_model
+from accelerate.utils import broadcast_object_list
 from torch.utils.data import BatchSampler, DataLoader
 from trl.trainer.utils import repeat_iterable_dataset
 
-from .backend import registered_backend
+from .backend import BackendContext, backend_entry
 from .continuous import ContinuousGenerationQueue
 from .episodes import Episode, EpisodeRunner
 from .errors import for_other_processes
-from .inprocess import InProcessBackend, build_whole_snapshot
 from .policy_weights import policy_tensors
 from .queue import GenerationQueue, StalenessBound
 
@@ -72,6 +71,7 @@ class AsyncRollout:
             or trainer.environment_factories is not None
             or getattr(trainer, "_user_rollout_func", None) is not None
         )
+        self.entry = backend_entry(self.args.rollout_backend)  # how to build the generator, what it can do
         self.current: GeneratedShare | None = None  # the share being scored (environments' recorded observations)
         self.last_take: float | None = None  # when the last `take` returned (perf_counter)
 
@@ -81,14 +81,11 @@ class AsyncRollout:
         its own generator. A vLLM server: the main process alone generates every process's share and hands each its
         part, so the server's weights have one owner (one push per version, from one process) and no request is
         mid-generation during a push."""
-        return (
-            self.args.rollout_backend != "vllm_server"  # in-process, colocated, registered backends
-            or self.accelerator.is_main_process
-        )
+        return not self.entry.serves_every_process or self.accelerator.is_main_process
 
     @property
     def serves_other_processes(self) -> bool:
-        return self.args.rollout_backend == "vllm_server" and self.accelerator.num_processes > 1
+        return self.entry.serves_every_process and self.accelerator.num_processes > 1
 
     # ------------------------------------------------------------------ lifetime
 
@@ -99,44 +96,22 @@ class AsyncRollout:
         self.submitted = first_index
         if not self.runs_producer:
             return
-        model = self.accelerator.unwrap_model(trainer.model)
-        if self.args.rollout_backend == "inprocess":
-            base = model.get_base_model() if is_peft_model(model) else model
-            backend = InProcessBackend(
-                build_whole_snapshot(base, self.accelerator.device),
-                trainer.generation_config,
+        backend = self.entry.factory(
+            BackendContext(
+                args=self.args,
+                model=self.accelerator.unwrap_model(trainer.model),
+                generation_config=trainer.generation_config,
                 pad_token_id=trainer._tokenizer.pad_token_id,
-                eos_token_ids=list(trainer.eos_token_ids),
-                compiled=self.args.generation_compile
-                if self.args.generation_compile is not None
-                else self.accelerator.device.type == "cuda",
-            )
-            served = [self.accelerator.process_index]
-        elif (factory := registered_backend(self.args.rollout_backend)) is not None:
-            backend = factory(
-                self.args,
-                vocab_size=model.config.get_text_config().vocab_size,
                 eos_token_ids=list(trainer.eos_token_ids),
                 device=self.accelerator.device,
             )
-            served = [self.accelerator.process_index]
-        elif self.args.rollout_backend == "vllm_colocate":
-            from .vllm_colocate import VLLMColocateBackend
-
-            backend = VLLMColocateBackend.from_config(
-                self.args, model, list(trainer.eos_token_ids), self.accelerator.device
-            )
-            served = [self.accelerator.process_index]
-        else:
-            from .vllm_server import VLLMServerBackend
-
-            backend = VLLMServerBackend.from_config(
-                self.args,
-                list(trainer.eos_token_ids),
-                peft_configs=model.peft_config if is_peft_model(model) else None,
-            )
-            self.sends_adapter = backend.sync_mode == "adapter"
-            served = list(range(self.accelerator.num_processes))
+        )
+        self.sends_adapter = getattr(backend, "sync_mode", "merged") == "adapter"
+        served = (
+            range(self.accelerator.num_processes)
+            if self.entry.serves_every_process
+            else [self.accelerator.process_index]
+        )
         queue_class = ContinuousGenerationQueue if self.args.continuous_generation else GenerationQueue
         episodes = (
             EpisodeRunner(trainer, self.args.tool_timeout_s, self.args.max_concurrent_episodes)

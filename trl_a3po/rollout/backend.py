@@ -1,30 +1,104 @@
-"""Backends registered from outside the library, by name: a benchmark's emulated engine, a user's own engine.
+"""The generators the producer can drive, by name: one registry that config validation and the trainer side read.
 
-A registered backend is built by its factory, `factory(args, *, vocab_size, eos_token_ids, device)`, and must do
-what `queue.RolloutBackend` declares; like the in-process generator it runs in every training process (each generates
-its own share). Config validation accepts its name for `rollout_backend`, and the trainer side builds it here. The
-built-in backends keep their own construction for now.
+A backend is an object that does what `queue.RolloutBackend` declares (stage / load a version, generate, close). A
+registry row (`BackendEntry`) says how to build one from a `BackendContext`, and what it can do, as data: whether the
+main process generates for every process (a server: one owner of its weights) or each process generates its own
+share, and whether it honours in-flight weight updates and continuous generation (both need `generate_until`
+stopping between two tokens) and LoRA adapters. Nothing outside this module branches on a backend's name to build it.
+A new backend is one `register_backend` call (a benchmark's emulated engine, a user's own engine).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 
-BUILTIN_BACKENDS = ("inprocess", "vllm_server", "vllm_colocate")
-_FACTORIES: dict[str, Callable] = {}
+@dataclass(frozen=True)
+class BackendContext:
+    """What a factory gets, on each process that runs a producer (the trainer's main thread)."""
+
+    args: Any  # the A3POConfig
+    model: Any  # the policy, unwrapped from Accelerate (a PEFT model stays one)
+    generation_config: Any  # the trainer's: TRL's sampling settings
+    pad_token_id: int
+    eos_token_ids: list[int]
+    device: Any  # this process's torch.device
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model.config.get_text_config().vocab_size
 
 
-def register_backend(name: str, factory: Callable) -> None:
-    """Make `rollout_backend=name` build its generator with `factory` (see the module's docstring)."""
+@dataclass(frozen=True)
+class BackendEntry:
+    factory: Callable[[BackendContext], Any]
+    serves_every_process: bool = False  # the main process generates every process's share (a server)
+    inflight_updates: bool = True  # `generate_until` stops between two tokens for a newer version
+    continuous_generation: bool = True  # several batches at once (merged, or concurrent requests)
+    adapters: bool = False  # receives a LoRA adapter alone (lora_weight_sync='adapter')
+
+
+def _inprocess(context: BackendContext):
+    from accelerate.utils import is_peft_model
+
+    from .inprocess import InProcessBackend, build_whole_snapshot
+
+    model, args = context.model, context.args
+    base = model.get_base_model() if is_peft_model(model) else model
+    compiled = args.generation_compile if args.generation_compile is not None else context.device.type == "cuda"
+    return InProcessBackend(
+        build_whole_snapshot(base, context.device),
+        context.generation_config,
+        pad_token_id=context.pad_token_id,
+        eos_token_ids=context.eos_token_ids,
+        compiled=compiled,
+    )
+
+
+def _vllm_server(context: BackendContext):
+    from accelerate.utils import is_peft_model
+
+    from .vllm_server import VLLMServerBackend
+
+    model = context.model
+    peft_configs = model.peft_config if is_peft_model(model) else None
+    return VLLMServerBackend.from_config(context.args, context.eos_token_ids, peft_configs=peft_configs)
+
+
+def _vllm_colocate(context: BackendContext):
+    from .vllm_colocate import VLLMColocateBackend
+
+    return VLLMColocateBackend.from_config(context.args, context.model, context.eos_token_ids, context.device)
+
+
+_REGISTRY: dict[str, BackendEntry] = {
+    "inprocess": BackendEntry(_inprocess),
+    "vllm_server": BackendEntry(_vllm_server, serves_every_process=True, adapters=True),
+    # vLLM's engine steps every request it holds: one request at a time, no stop between tokens for a version
+    "vllm_colocate": BackendEntry(_vllm_colocate, inflight_updates=False, continuous_generation=False),
+}
+BUILTIN_BACKENDS = tuple(_REGISTRY)
+
+
+def register_backend(name: str, factory: Callable[[BackendContext], Any], **capabilities) -> None:
+    """Make `rollout_backend=name` build its generator with `factory(context)`; `capabilities`: `BackendEntry`'s
+    fields (a backend generates its own share on every process unless `serves_every_process=True`)."""
     if name in BUILTIN_BACKENDS:
         raise ValueError(f"rollout_backend {name!r} is built in; register the backend under another name.")
-    _FACTORIES[name] = factory
+    _REGISTRY[name] = BackendEntry(factory, **capabilities)
 
 
-def registered_backend(name: str) -> Callable | None:
-    return _FACTORIES.get(name)
+def backend_entry(name: str) -> BackendEntry:
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        raise ValueError(
+            f"rollout_backend={name!r} is not supported; use one of {backend_names()} (or register yours: "
+            "trl_a3po.rollout.register_backend)."
+        ) from None
 
 
 def backend_names() -> tuple[str, ...]:
-    return BUILTIN_BACKENDS + tuple(_FACTORIES)
+    return tuple(_REGISTRY)

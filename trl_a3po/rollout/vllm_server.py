@@ -14,15 +14,18 @@ from __future__ import annotations
 
 import contextlib
 import importlib.metadata
+import ipaddress
 import json
 import logging
 import os
 import shutil
+import socket
 import threading
 import time
 import uuid
 import warnings
 import weakref
+from typing import Protocol
 from urllib.parse import urlparse
 
 import requests
@@ -101,6 +104,13 @@ def sampling_params(args, eos_token_ids: list[int]) -> dict:
     }
 
 
+def _is_loopback(host: str | None) -> bool:
+    try:
+        return ipaddress.ip_address(socket.gethostbyname(host or "localhost")).is_loopback
+    except (OSError, ValueError):
+        return False
+
+
 def adapter_unservable_reason(peft_configs: dict) -> str | None:
     """Why a PEFT policy cannot be served as a LoRA adapter by vLLM (then its merged weights are sent), or None."""
     if len(peft_configs) != 1:
@@ -126,6 +136,9 @@ class VLLMServerBackend:
     weight-transfer engine and the trainer's vLLM version for `nccl`), raising one `VLLMServerSetupError` that names
     the missing flag and the command; only then does the transport connect (NCCL's communicator).
 
+    `api_key` (`from_config`: vLLM's own variable, `VLLM_API_KEY`) goes as a bearer token on every request, as vLLM's
+    clients send it; a server that wants one and gets none (or another) is named at the probe.
+
     The producer calls `load` and `generate` one after the other, so no request is mid-generation during a push and
     every sample has exactly one behaviour version. Requests stream their tokens, so `close()` can abandon a
     generation at its next token. A server that sends nothing for `timeout_s` seconds (GRPOConfig's
@@ -138,11 +151,12 @@ class VLLMServerBackend:
     def __init__(
         self,
         base_url: str,
-        transport,
+        transport: WeightTransport,
         sampling: dict,
         timeout_s: float = 240.0,
         connect_timeout_s: float = 5.0,
         lora: dict | None = None,
+        api_key: str | None = None,
     ):
         """`lora`: for a PEFT LoRA policy, {"config": its LoraConfig, "sync": "adapter" | "auto", "folder": where the
         server reads adapters}; None sends merged weights."""
@@ -152,6 +166,7 @@ class VLLMServerBackend:
         self.transport = transport
         self.sampling = sampling
         self.timeout = (connect_timeout_s, timeout_s)  # requests: (connect, longest silence while reading)
+        self.api_key = api_key or None
         # One requests.Session per thread that talks to the server (the producer, continuous generation's stream
         # threads): requests does not promise a Session is thread-safe. No retries: an unreachable server must fail
         # fast, not back off. `_sessions_lock` guards `_sessions` (every one opened, for close()).
@@ -205,7 +220,14 @@ class VLLMServerBackend:
                 lora = {"config": config, "sync": args.lora_weight_sync, "folder": os.path.abspath(folder)}
             else:  # (`adapter` with such a policy is refused before any model work: support.check_supported)
                 logger.warning("lora_weight_sync='auto': sending merged weights, the policy has %s.", reason)
-        return cls(base_url, transport, sampling, timeout_s=args.vllm_server_timeout, lora=lora)
+        return cls(
+            base_url,
+            transport,
+            sampling,
+            timeout_s=args.vllm_server_timeout,
+            lora=lora,
+            api_key=os.environ.get("VLLM_API_KEY"),
+        )
 
     @property
     def sync_mode(self) -> str:
@@ -228,6 +250,8 @@ class VLLMServerBackend:
         session = getattr(self._thread_session, "session", None)
         if session is None:
             session = self._thread_session.session = requests.Session()
+            if self.api_key is not None:
+                session.headers["Authorization"] = f"Bearer {self.api_key}"
             with self._sessions_lock:
                 self._sessions.append(session)
         return session
@@ -238,6 +262,8 @@ class VLLMServerBackend:
             response = self.session.request(method, f"{self.base_url}{path}", timeout=self.timeout, **kwargs)
         except requests.RequestException as error:
             raise self._http_error(doing, error) from error
+        if response.status_code == 401:
+            raise self._unauthorized(f"{method} {path}")
         if response.status_code != 200:
             raise VLLMServerError(
                 f"The vLLM server at {self.where} failed while {doing}: {method} {path} answered "
@@ -252,6 +278,36 @@ class VLLMServerBackend:
 
     def post(self, path: str, payload: dict | None = None, doing: str | None = None) -> dict:
         return self._request(doing or f"calling {path}", "POST", path, json=payload)
+
+    def _unauthorized(self, request: str) -> VLLMServerSetupError:
+        if self.api_key is None:
+            return VLLMServerSetupError(
+                f"The vLLM server at {self.where} wants an API key ({request} answered 401: it was started with "
+                "--api-key or VLLM_API_KEY): set VLLM_API_KEY to that key in the training environment."
+            )
+        return VLLMServerSetupError(
+            f"The vLLM server at {self.where} refused the API key in VLLM_API_KEY ({request} answered 401): set it to "
+            "the key the server was started with."
+        )
+
+    def _warn_if_dev_routes_open(self) -> None:
+        """A server beyond loopback whose development routes answer without the API key (vLLM checks the key only
+        on /v1, /v2, /inference and /cohere): say once what anyone reaching it can do, and how to close it."""
+        if _is_loopback(urlparse(self.base_url).hostname):
+            return
+        try:  # a request of its own, without the key
+            open_to_all = requests.get(f"{self.base_url}/server_info", timeout=self.timeout).status_code == 200
+        except requests.RequestException:
+            return
+        if open_to_all:
+            logger.warning(
+                "The vLLM server at %s answers its development routes without an API key (vLLM checks the key on /v1, "
+                "/v2, /inference and /cohere only): anyone who reaches that port can read its configuration "
+                "(/server_info), replace its weights and call methods in its workers (/collective_rpc, "
+                "/update_weights). Bind it to a private interface (`--host`), or put an authenticating proxy in "
+                "front of it.",
+                self.where,
+            )
 
     def _http_error(self, doing: str, error: Exception) -> VLLMServerError:
         if isinstance(error, requests.Timeout) or "timed out" in str(error).lower():
@@ -298,6 +354,7 @@ class VLLMServerBackend:
             self._probe_lora(config, response.json().get("vllm_env") or {}, replicas)
         if self.lora is None:  # whole weights move: the transport's own requirements
             self.transport.check_server(self, config, server_version)
+        self._warn_if_dev_routes_open()
         if self.session.get(f"{self.base_url}/weight_info", timeout=self.timeout).status_code == 404:
             self._labels = False
             warnings.warn(
@@ -500,6 +557,8 @@ class VLLMServerBackend:
             with self.session.post(
                 f"{self.base_url}/v1/completions", json=payload, stream=True, timeout=self.timeout
             ) as response:
+                if response.status_code == 401:
+                    raise self._unauthorized("POST /v1/completions")
                 if response.status_code != 200:
                     raise VLLMServerError(
                         f"The vLLM server at {self.where} refused /v1/completions: "
@@ -547,6 +606,25 @@ class VLLMServerBackend:
             sessions, self._sessions = self._sessions, []
         for session in sessions:
             session.close()
+
+
+class WeightTransport(Protocol):
+    """How a version's weights reach the server (`DiskTransport`, `NCCLTransport`), driven by the backend:
+    `check_server` at the probe, `connect` once, `stage` on the trainer's main thread, `push` in the producer thread,
+    `close` last."""
+
+    name: str  # weight_sync_transport's value
+    needs: str  # the server routes it uses (named when dev mode is missing)
+
+    def check_server(self, backend: VLLMServerBackend, config: dict, server_version: str) -> None: ...
+
+    def connect(self, backend: VLLMServerBackend) -> None: ...
+
+    def stage(self, named_tensors: NamedTensors) -> StagedWeights: ...
+
+    def push(self, backend: VLLMServerBackend, staged: StagedWeights) -> None: ...
+
+    def close(self) -> None: ...
 
 
 class DiskTransport:
@@ -649,6 +727,8 @@ class NCCLTransport:
         self.client = VLLMClient(
             base_url=backend.base_url, group_port=self.group_port, connection_timeout=self.timeout_s
         )
+        if backend.api_key is not None:  # (TRL's client sends none; its routes are dev routes, which need none)
+            self.client.session.headers["Authorization"] = f"Bearer {backend.api_key}"
         self.client.init_communicator(device=self.device)
 
     def stage(self, named_tensors: NamedTensors) -> StagedWeights:
