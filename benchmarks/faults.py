@@ -1,7 +1,7 @@
 """How fast each generation-server fault stops training, measured against tests/standin_server.py (loopback) with a
 tiny model on CPU: the time from `train()`'s start to the error, and from the fault itself where it has a moment.
 
-    python benchmarks/faults.py                 # ~1 minute; prints one table (README "Reliability")
+    python benchmarks/faults.py                 # ~1 minute; prints one table (docs/reliability.md)
 """
 
 from __future__ import annotations

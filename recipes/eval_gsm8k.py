@@ -4,10 +4,10 @@
     # the CPU demo's model (recipes/gsm8k_cpu.yaml) on its held-out addition problems, with its prompt and budget
     python recipes/eval_gsm8k.py --model outputs/gsm8k-cpu --dataset recipes/data/addition --one-shot \
         --max-new-tokens 64 --batch-size 50
-    # a PEFT adapter on its base (README, "LoRA")
+    # a PEFT adapter on its base (docs/lora.md)
     python recipes/eval_gsm8k.py --model smollm2-135m-instruct --adapter outputs/gsm8k-lora \
         --dataset recipes/data/addition --one-shot --max-new-tokens 64
-    # GPU, on a running vLLM server (README, "vLLM server"), from the hub
+    # GPU, on a running vLLM server (docs/backends.md), from the hub
     python recipes/eval_gsm8k.py --model Qwen/Qwen2.5-1.5B-Instruct --vllm-url http://127.0.0.1:8000
 
 The data: a hub id (openai/gsm8k, the default, needs the network) or a folder with test.jsonl.

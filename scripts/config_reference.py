@@ -1,4 +1,5 @@
-"""Print the README's A3POConfig reference table from the dataclass (tests/test_readme.py checks they agree)."""
+"""Print the A3POConfig reference table of docs/configuration.md from the dataclass (tests/test_readme.py checks
+they agree; `--write` puts it there)."""
 
 import dataclasses
 
@@ -19,4 +20,14 @@ def reference_table() -> str:
 
 
 if __name__ == "__main__":
-    print(reference_table())
+    import sys
+    from pathlib import Path
+
+    if "--write" in sys.argv:
+        page = Path(__file__).resolve().parent.parent / "docs" / "configuration.md"
+        text = page.read_text()
+        start = text.index("| field | default | what it does |")
+        end = text.index("\n\n", start) if "\n\n" in text[start:] else len(text.rstrip("\n"))
+        page.write_text(text[:start] + reference_table() + text[end:])
+    else:
+        print(reference_table())

@@ -577,7 +577,7 @@ def test_a_server_killed_mid_run_stops_training_naming_it(tmp_path, vllm_lora_se
     with pytest.raises(ProducerError, match=rf"vLLM server at 127.0.0.1:{port} went away"):
         trainer.train()
     detected_s = time.monotonic() - KillAfterFirstStep.killed_at
-    print(f"killed server detected {detected_s:.1f} s after the kill")  # README "Reliability" (pytest -s)
+    print(f"killed server detected {detected_s:.1f} s after the kill")  # docs/reliability.md (pytest -s)
     assert detected_s < 60
     # Nothing generated after the kill is trained: at the kill (end of step 1) batches up to 1 + max_staleness may
     # already be generated, and train; the next one would need the server.

@@ -20,8 +20,8 @@ LORA_WEIGHT_SYNCS = ("auto", "adapter", "merged")
 class A3POConfig(GRPOConfig):
     r"""
     Configuration class for the [`A3POTrainer`]: every field of [`~trl.GRPOConfig`] keeps its meaning, and these are
-    added or changed for A-3PO (arXiv 2512.06547). Each field's `help` metadata has the full text (`--help`, README
-    "Configuration reference").
+    added or changed for A-3PO (arXiv 2512.06547). Each field's `help` metadata has the full text (`--help`,
+    docs/configuration.md).
 
     Parameters:
         > Parameters that control the decoupled loss

@@ -40,7 +40,7 @@ logger = logging.getLogger(__name__)
 # What a server must be started with, as the start-up probe's errors print it: TRL's own command first
 # (`trl vllm-serve` runs `vllm serve` with dev mode, processed log-probs and the NCCL weight-transfer engine), then
 # the `vllm serve` command it stands for. Dev mode exposes /collective_rpc (any method on the server's workers), so
-# the server binds to loopback unless a trusted interface is named (README "Multi-GPU", several nodes;
+# the server binds to loopback unless a trusted interface is named (docs/multi-gpu.md, several nodes;
 # `trl vllm-serve`'s own default host is 0.0.0.0).
 TRL_SERVE_COMMAND = "trl vllm-serve --model MODEL --host 127.0.0.1 --port {port}"
 NCCL_FLAG = """ --weight-transfer-config '{"backend": "nccl"}'"""
@@ -179,8 +179,8 @@ class VLLMServerBackend:
         except requests.RequestException as error:
             raise VLLMServerUnreachable(
                 f"The vLLM server at {self.where} is unreachable ({error.__class__.__name__}). Start it first "
-                f"(README: 'vLLM server'): {self.server_command()}; or check vllm_server_host / vllm_server_port / "
-                "vllm_server_base_url."
+                f"(docs/backends.md, 'vLLM server'): {self.server_command()}; or check vllm_server_host / "
+                "vllm_server_port / vllm_server_base_url."
             ) from error
         self.model = self._request("reading the model list", "GET", "/v1/models")["data"][0]["id"]
         self.lora = lora  # None after the probe unless adapters are sent
@@ -494,7 +494,7 @@ class VLLMServerBackend:
                 f"The vLLM server at {self.where} holds weights labelled {held!r}, not the ones this run pushed "
                 f"({self._weight_label!r}): it restarted, or another client loaded weights, before or while "
                 f"{doing}. Those completions are discarded rather than trained under the wrong policy version; "
-                "restart training from the last checkpoint (README 'Reliability')."
+                "restart training from the last checkpoint (docs/reliability.md)."
             )
 
     def generate(self, prompt_ids: list[list[int]], stop: threading.Event):
