@@ -19,7 +19,7 @@ from datasets import Dataset  # noqa: E402
 
 from trl_a3po import A3POConfig, A3POTrainer  # noqa: E402
 
-from conftest import digit_reward, make_model, make_tokenizer  # noqa: E402
+from testing_utils import digit_reward, make_model, make_tokenizer  # noqa: E402
 from standin_server import StandinServer  # noqa: E402
 
 

@@ -5,8 +5,7 @@ import json
 import time
 
 import pytest
-
-from conftest import check_ranks_follow_the_synchronous_shards, launch, require_deepspeed
+from testing_utils import check_ranks_follow_the_synchronous_shards, launch, require_deepspeed
 
 
 # (In-flight updates alone on two processes: the continuous + in-flight case covers both at once, for CI time; one
@@ -79,7 +78,8 @@ def test_the_users_exception_in_the_producer_reaches_train_as_itself_on_every_pr
 ):
     # In-process, each process's own producer raises it; on a server, the main process's producer raises it and sends
     # it to the other process, which raises the same type with the same note.
-    from conftest import tool_model_saved
+    from testing_utils import tool_model_saved
+
     from standin_server import StandinServer
 
     with contextlib.ExitStack() as stack:

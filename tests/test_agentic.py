@@ -9,12 +9,7 @@ import time
 
 import pytest
 from datasets import Dataset
-from transformers import TrainerCallback
-
-from trl_a3po import A3POConfig, A3POTrainer
-from trl_a3po.rollout.episodes import EpisodeRunner
-
-from conftest import (
+from testing_utils import (
     COMMON,
     OBSERVATION,
     AddingEnvironment,
@@ -30,6 +25,11 @@ from conftest import (
     tool_model_saved,
     tool_question,
 )
+from transformers import TrainerCallback
+
+from trl_a3po import A3POConfig, A3POTrainer
+from trl_a3po.rollout.episodes import EpisodeRunner
+
 from local_vllm import local_vllm_server
 
 
@@ -193,7 +193,7 @@ def test_tools_are_played_ahead_with_a_version_per_token(tmp_path, tool_tokenize
 
 
 def test_tools_keep_the_synchronous_prompt_order(tmp_path, tool_tokenizer, tool_model_weights):
-    from conftest import make_tool_model
+    from testing_utils import make_tool_model
 
     prompts = {}
     for mode in ("sync", "async"):

@@ -8,14 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import TrainerCallback
-
-from trl_a3po import A3POConfig, A3POTrainer
-from trl_a3po.rollout import GenerationQueue, InProcessBackend, ProducerError
-from trl_a3po.rollout.policy_weights import policy_tensors
-from trl_a3po.rollout.vllm_server import VLLMServerUnreachable
-
-from conftest import (
+from testing_utils import (
     COMMON,
     VersionRecorder,
     check_behaviour_logprobs_against_versions,
@@ -24,11 +17,18 @@ from conftest import (
     generate_two_versions_ahead,
     logged,
     make_model,
+    make_trainer,
     producer_threads,
     record_trained_samples,
     slow_generation,
     wait_for_the_next_version,
 )
+from transformers import TrainerCallback
+
+from trl_a3po import A3POConfig, A3POTrainer
+from trl_a3po.rollout import GenerationQueue, InProcessBackend, ProducerError
+from trl_a3po.rollout.policy_weights import policy_tensors
+from trl_a3po.rollout.vllm_server import VLLMServerUnreachable
 
 
 class Recorder:
@@ -42,18 +42,6 @@ class Recorder:
     def __call__(self, prompts, completions, **kwargs):
         self.prompts.append(list(prompts))
         return digit_reward(completions)
-
-
-def make(tmp_path, tokenizer, dataset, reward=digit_reward, peft_config=None, **kwargs):
-    args = A3POConfig(output_dir=str(tmp_path), **{**COMMON, **kwargs})
-    return A3POTrainer(
-        model=make_model(tokenizer),
-        reward_funcs=reward,
-        args=args,
-        train_dataset=dataset,
-        processing_class=tokenizer,
-        peft_config=peft_config,
-    )
 
 
 def record_microbatches(trainer):
@@ -77,7 +65,7 @@ def test_async_trains_the_synchronous_prompt_order_within_the_bound(
     runs = {}
     for mode in ("sync", "async"):
         reward = Recorder()
-        trainer = make(
+        trainer = make_trainer(
             tmp_path / mode,
             tokenizer,
             prompt_dataset,
@@ -130,7 +118,7 @@ def test_async_max_staleness_2_uses_alpha_one_half(tmp_path, tokenizer, prompt_d
         return prox
 
     monkeypatch.setattr(trainer_module, "approximate_prox_logp", recording)
-    trainer = make(tmp_path, tokenizer, prompt_dataset, steps_per_generation=4, max_steps=24, max_staleness=2)
+    trainer = make_trainer(tmp_path, tokenizer, prompt_dataset, steps_per_generation=4, max_steps=24, max_staleness=2)
     trainer.train()
     staleness = logged(trainer, "a3po/staleness/max")
     assert len(staleness) == 24 and max(staleness) <= 2
@@ -145,7 +133,7 @@ def test_async_max_staleness_2_uses_alpha_one_half(tmp_path, tokenizer, prompt_d
 
 def test_a_default_async_run_engages_the_a3po_approximation(tmp_path, tokenizer, prompt_dataset):
     # A-3PO on by default: max_staleness resolves to 2, and steps trained at staleness 2 use alpha 1/2 (< 1).
-    trainer = make(tmp_path, tokenizer, prompt_dataset, steps_per_generation=2, max_steps=12)
+    trainer = make_trainer(tmp_path, tokenizer, prompt_dataset, steps_per_generation=2, max_steps=12)
     assert trainer.args.max_staleness == 2
     trainer.train()
     pairs = list(zip(logged(trainer, "a3po/staleness/mean"), logged(trainer, "a3po/alpha/mean")))
@@ -158,7 +146,7 @@ def test_a_default_async_run_engages_the_a3po_approximation(tmp_path, tokenizer,
 def test_every_sample_behaviour_logprobs_come_from_its_recorded_version(
     tmp_path, tokenizer, prompt_dataset, async_generation
 ):
-    trainer = make(
+    trainer = make_trainer(
         tmp_path,
         tokenizer,
         prompt_dataset,
@@ -207,7 +195,7 @@ def test_inflight_weight_updates_keep_every_token_on_its_recorded_version(
     runs = {}
     for mode in ("sync", "inflight"):
         reward = Recorder()
-        trainer = make(
+        trainer = make_trainer(
             tmp_path / mode,
             tokenizer,
             prompt_dataset,
@@ -288,7 +276,7 @@ def test_in_process_generate_until_gives_each_row_its_own_budget_and_the_behavio
 def test_async_lora_snapshot_generates_with_the_merged_policy(tmp_path, tokenizer, prompt_dataset):
     from peft import LoraConfig
 
-    trainer = make(
+    trainer = make_trainer(
         tmp_path,
         tokenizer,
         prompt_dataset,
@@ -325,7 +313,7 @@ def test_producer_exception_surfaces_in_the_trainer_within_a_step(tmp_path, toke
         return real(self, prompt_ids, min_version)
 
     monkeypatch.setattr(InProcessBackend, "generate", flaky)
-    trainer = make(tmp_path, tokenizer, prompt_dataset, steps_per_generation=2, max_steps=8)
+    trainer = make_trainer(tmp_path, tokenizer, prompt_dataset, steps_per_generation=2, max_steps=8)
     with pytest.raises(ProducerError, match="simulated generator crash") as info:
         trainer.train()
     assert isinstance(info.value.__cause__, RuntimeError)
@@ -336,7 +324,7 @@ def test_producer_exception_surfaces_in_the_trainer_within_a_step(tmp_path, toke
 
 def test_unreachable_vllm_server_fails_fast_naming_host_and_port(tmp_path, tokenizer, prompt_dataset):
     port = free_port()
-    trainer = make(
+    trainer = make_trainer(
         tmp_path, tokenizer, prompt_dataset, rollout_backend="vllm_server", vllm_server_port=port, max_steps=1
     )
     start = time.perf_counter()
@@ -355,7 +343,7 @@ def test_an_iterable_dataset_trains_asynchronously_in_the_synchronous_prompt_ord
     runs = {}
     for mode in ("sync", "async"):
         reward = Recorder()
-        trainer = make(
+        trainer = make_trainer(
             tmp_path / mode,
             tokenizer,
             prompt_dataset.select(range(6)).to_iterable_dataset(shards),
@@ -404,12 +392,12 @@ def test_resume_continues_the_order_without_skipping_or_repeating(
         continuous_generation=continuous,
     )
     dataset = prompt_dataset.to_iterable_dataset() if iterable else prompt_dataset
-    full = make(tmp_path / "full", tokenizer, dataset, **kwargs)
+    full = make_trainer(tmp_path / "full", tokenizer, dataset, **kwargs)
     full_batches = record_microbatches(full)
     full.train()
     assert len(full_batches) == 9
 
-    resumed = make(tmp_path / "resumed", tokenizer, dataset, **kwargs)
+    resumed = make_trainer(tmp_path / "resumed", tokenizer, dataset, **kwargs)
     resumed_batches = record_microbatches(resumed)
     resumed.train(resume_from_checkpoint=str(tmp_path / "full" / f"checkpoint-{resume_step}"))
     # micro-batches after the checkpoint carry exactly the prompts the uninterrupted run trained there
@@ -474,8 +462,8 @@ def test_a_failure_during_training_ends_train_fast_with_no_thread_left(
         # KeyboardInterrupt handler: install the one a Ctrl-C in a terminal meets.
         previous = signal.signal(signal.SIGINT, signal.default_int_handler)
         request.addfinalizer(lambda: signal.signal(signal.SIGINT, previous))
-    # From the second batch on, generation takes 0.5 s per token for 64 tokens (32 s): the producer is mid-generation
-    # when the optimizer step fails, and only the stop signal can end it early.
+    # From the second batch on, each token waits for the queue's stop (0.5 s at most; 64 tokens: 32 s): the producer
+    # is mid-generation when the optimizer step fails, and only the stop signal can end it early.
     # (With in-flight updates, the generation is the backend's `generate_until`, and may switch versions meanwhile;
     # with continuous generation it is `generate_until` too, in a stream thread of the coordinator's.)
     mid_generation = threading.Event()
@@ -492,13 +480,13 @@ def test_a_failure_during_training_ends_train_fast_with_no_thread_left(
 
             def crawl(module, args):
                 mid_generation.set()
-                time.sleep(0.5)
+                trainer._rollout.queue._stop.wait(0.5)  # set when training ends: the wait ends with it
 
             self.snapshot.register_forward_pre_hook(crawl)
         return real(self, prompt_ids, stop, *args, **kwargs)
 
     monkeypatch.setattr(InProcessBackend, method, slow)
-    trainer = make(
+    trainer = make_trainer(
         tmp_path,
         tokenizer,
         prompt_dataset,
@@ -578,7 +566,7 @@ def test_coupled_grpo_on_the_producer_at_max_staleness_0_is_synchronous(tmp_path
     runs = {}
     for mode, extra in (("queue", dict(async_generation=True, max_staleness=0)), ("sync", {})):
         reward = Recorder()
-        trainer = make(
+        trainer = make_trainer(
             tmp_path / mode,
             tokenizer,
             prompt_dataset,
@@ -652,7 +640,7 @@ def test_an_empty_or_too_small_dataset_is_refused_with_its_size(tmp_path, prompt
 
 def test_a_cooled_sampler_keeps_every_token_on_its_recorded_version(tmp_path, tokenizer, prompt_dataset):
     # sampling_temperature: each token's behaviour log-prob is its version's weights at the sampler's temperature
-    trainer = make(
+    trainer = make_trainer(
         tmp_path, tokenizer, prompt_dataset, max_steps=8, learning_rate=1e-2, temperature=1.0, sampling_temperature=0.7
     )
     generate_two_versions_ahead(trainer)
@@ -724,8 +712,10 @@ def test_a_backend_defined_in_a_test_trains_asynchronously_through_the_registry(
     register_backend("sampling_loop", build, inflight_updates=False, continuous_generation=False)
     try:
         with pytest.raises(ValueError, match=r"inflight_weight_updates=True: rollout_backend='sampling_loop' does"):
-            make(tmp_path, tokenizer, prompt_dataset, rollout_backend="sampling_loop", inflight_weight_updates=True)
-        trainer = make(
+            make_trainer(
+                tmp_path, tokenizer, prompt_dataset, rollout_backend="sampling_loop", inflight_weight_updates=True
+            )
+        trainer = make_trainer(
             tmp_path,
             tokenizer,
             prompt_dataset,

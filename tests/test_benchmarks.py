@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from conftest import vllm_python
+from testing_utils import vllm_python
 
 
 REPO = Path(__file__).resolve().parent.parent

@@ -5,12 +5,11 @@ import threading
 
 import pytest
 import torch
+from testing_utils import make_model
 from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
 
 from trl_a3po.rollout import generate_with_behavior_logprobs
 from trl_a3po.rollout.inprocess import InProcessBackend, left_pad
-
-from conftest import make_model
 
 
 PROCESSED = dict(temperature=0.7, top_k=20, top_p=0.9, min_p=0.05, repetition_penalty=1.3)

@@ -10,11 +10,10 @@ import math
 
 import pytest
 import torch
+from testing_utils import generate_two_versions_ahead, make_trainer, producer_threads
 from trl import GRPOConfig, GRPOTrainer
 
 from trl_a3po import A3POConfig, A3POTrainer
-
-from conftest import digit_reward, generate_two_versions_ahead, make_model, producer_threads
 
 
 LOSS_TYPES = ["grpo", "bnpo", "dr_grpo", "dapo", "luspo", "cispo", "sapo", "vespo"]
@@ -44,17 +43,6 @@ COMMON = dict(
     bf16=False,
     epsilon=0.1,
 )
-
-
-def make(tmp_path, tokenizer, dataset, trainer_cls, config_cls, **kwargs):
-    args = config_cls(output_dir=str(tmp_path), **{**COMMON, **kwargs})
-    model = make_model(tokenizer)
-    if args.beta != 0.0:  # TRL loads the reference model by name
-        model.save_pretrained(tmp_path / "model")
-        model = str(tmp_path / "model")
-    return trainer_cls(
-        model=model, reward_funcs=digit_reward, args=args, train_dataset=dataset, processing_class=tokenizer
-    )
 
 
 def forward(trainer, batch):
@@ -109,8 +97,10 @@ def loss_and_grads(trainer, batch):
 @pytest.mark.parametrize("method", ["loglinear", "recompute"])
 @pytest.mark.parametrize("case", CASES, ids=IDS)
 def test_at_staleness_0_the_decoupled_loss_is_grpotrainers(tmp_path, tokenizer, prompt_dataset, case, method):
-    grpo = make(tmp_path / "g", tokenizer, prompt_dataset, GRPOTrainer, GRPOConfig, **case)
-    a3po = make(tmp_path / "a", tokenizer, prompt_dataset, A3POTrainer, A3POConfig, prox_logp_method=method, **case)
+    grpo = make_trainer(tmp_path / "g", tokenizer, prompt_dataset, GRPOTrainer, GRPOConfig, **case)
+    a3po = make_trainer(
+        tmp_path / "a", tokenizer, prompt_dataset, A3POTrainer, A3POConfig, prox_logp_method=method, **case
+    )
     a3po.model.load_state_dict(grpo.model.state_dict())
     batch = make_batch(grpo)
     if method == "recompute":  # the anchor a recompute forward would have given: the behaviour log-probs, at d = 0
@@ -125,7 +115,9 @@ def test_at_staleness_0_the_decoupled_loss_is_grpotrainers(tmp_path, tokenizer, 
         assert a3po.entropy_coef == grpo.entropy_coef
     # the options did something: the loss differs from the plain GRPO loss on the same batch
     if case in OPTIONS.values():
-        plain = make(tmp_path / "p", tokenizer, prompt_dataset, GRPOTrainer, GRPOConfig, loss_type=case["loss_type"])
+        plain = make_trainer(
+            tmp_path / "p", tokenizer, prompt_dataset, GRPOTrainer, GRPOConfig, loss_type=case["loss_type"]
+        )
         plain.model.load_state_dict(grpo.model.state_dict())
         assert not torch.allclose(loss_and_grads(plain, batch)[0], loss_g, atol=1e-6)
 
@@ -194,7 +186,7 @@ def reference_loss(trainer, batch, logp, entropies, anchor, cap):
 )
 def test_at_staleness_2_the_decoupled_loss_is_the_formula(tmp_path, tokenizer, prompt_dataset, case, method):
     cap = 1.1  # some behaviour weights above it (masked)
-    trainer = make(
+    trainer = make_trainer(
         tmp_path,
         tokenizer,
         prompt_dataset,
@@ -231,7 +223,7 @@ def test_at_staleness_2_the_decoupled_loss_is_the_formula(tmp_path, tokenizer, p
 
 @pytest.mark.parametrize("case", CASES, ids=IDS)
 def test_each_option_trains_asynchronously_within_the_bound(tmp_path, tokenizer, prompt_dataset, case):
-    trainer = make(
+    trainer = make_trainer(
         tmp_path,
         tokenizer,
         prompt_dataset,

@@ -283,10 +283,10 @@ def test_close_leaves_the_backend_open_under_a_producer_that_does_not_stop():
 def test_an_error_closing_the_queue_never_replaces_the_error_that_ended_training(
     tmp_path, tokenizer, prompt_dataset, monkeypatch
 ):
+    from testing_utils import COMMON, digit_reward, make_model
+
     from trl_a3po import A3POConfig, A3POTrainer
     from trl_a3po.rollout import InProcessBackend
-
-    from conftest import COMMON, digit_reward, make_model
 
     def failing_close(self):
         raise OSError("closing the backend failed too")

@@ -8,8 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
-
-from conftest import free_port, make_model, make_tokenizer
+from testing_utils import free_port, make_model, make_tokenizer
 
 
 REPO = Path(__file__).resolve().parent.parent
@@ -284,7 +283,7 @@ def test_the_tool_recipes_calculator_evaluates_arithmetic_only():
 
 
 def test_the_tool_recipe_trains_with_its_tool_generated_ahead(tmp_path, tool_tokenizer, tool_model_weights):
-    from conftest import tool_model_saved
+    from testing_utils import tool_model_saved
 
     model_dir = tool_model_saved(tmp_path / "model", tool_tokenizer, tool_model_weights)
     run(

@@ -8,6 +8,7 @@ import warnings
 
 import pytest
 import torch
+from testing_utils import COMMON, digit_reward, make_model
 
 from trl_a3po import A3POConfig, A3POTrainer
 from trl_a3po.rollout import ProducerError
@@ -15,7 +16,6 @@ from trl_a3po.rollout import vllm_server as vllm_module
 from trl_a3po.rollout.policy_weights import _hf_named_tensors
 from trl_a3po.rollout.vllm_server import NCCLTransport, VLLMServerBackend, VLLMServerSetupError
 
-from conftest import COMMON, digit_reward, make_model
 from standin_server import StandinServer
 
 

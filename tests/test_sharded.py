@@ -13,11 +13,10 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from testing_utils import COMMON, digit_reward, free_port, make_model, make_tokenizer
 
 from trl_a3po import A3POConfig, A3POTrainer
 from trl_a3po.rollout.policy_weights import _hf_named_tensors, policy_tensors
-
-from conftest import COMMON, digit_reward, free_port, make_model, make_tokenizer
 
 
 REPO = Path(__file__).resolve().parent.parent

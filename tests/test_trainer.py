@@ -5,24 +5,12 @@ import threading
 
 import pytest
 import torch
+from testing_utils import COMMON, digit_reward, logged, make_model, make_trainer
 from transformers import GenerationConfig, Qwen2ForCausalLM
 from trl import GRPOConfig, GRPOTrainer
 
 from trl_a3po import A3POConfig, A3POTrainer
 from trl_a3po.rollout import generate_with_behavior_logprobs
-
-from conftest import COMMON, digit_reward, logged, make_model
-
-
-def make_trainer(tmp_path, tokenizer, dataset, trainer_cls=A3POTrainer, config_cls=A3POConfig, model=None, **kwargs):
-    args = config_cls(output_dir=str(tmp_path), **{**COMMON, **kwargs})
-    return trainer_cls(
-        model=model if model is not None else make_model(tokenizer),
-        reward_funcs=digit_reward,
-        args=args,
-        train_dataset=dataset,
-        processing_class=tokenizer,
-    )
 
 
 def count_logp_forwards(monkeypatch):
@@ -411,7 +399,7 @@ LEAN = """
 import sys
 sys.modules.update(gguf=None, matplotlib=None)  # any import of them fails, as where they are not installed
 sys.path.insert(0, "tests")
-from conftest import digit_reward, make_model, make_tokenizer
+from testing_utils import digit_reward, make_model, make_tokenizer
 from datasets import Dataset
 import trl_a3po
 from trl_a3po import A3POConfig, A3POTrainer

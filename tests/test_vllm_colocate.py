@@ -7,8 +7,7 @@ import os
 import subprocess
 
 import pytest
-
-from conftest import free_port, need_vllm_python
+from testing_utils import free_port, need_vllm_python
 
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "scripts", "colocated_run.py")

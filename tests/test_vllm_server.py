@@ -14,14 +14,7 @@ from pathlib import Path
 import pytest
 import requests
 import torch
-from transformers import AutoModelForCausalLM, Qwen2Config, TrainerCallback
-
-from trl_a3po import A3POConfig, A3POTrainer
-from trl_a3po.rollout import GenerationQueue, ProducerError
-from trl_a3po.rollout.policy_weights import policy_tensors
-from trl_a3po.rollout.vllm_server import VLLMServerBackend, VLLMServerSetupError
-
-from conftest import (
+from testing_utils import (
     COMMON,
     VersionRecorder,
     check_behaviour_logprobs_against_versions,
@@ -39,6 +32,13 @@ from conftest import (
     vllm_python,
     wait_for_the_next_version,
 )
+from transformers import AutoModelForCausalLM, Qwen2Config, TrainerCallback
+
+from trl_a3po import A3POConfig, A3POTrainer
+from trl_a3po.rollout import GenerationQueue, ProducerError
+from trl_a3po.rollout.policy_weights import policy_tensors
+from trl_a3po.rollout.vllm_server import VLLMServerBackend, VLLMServerSetupError
+
 from local_vllm import local_vllm_server
 
 

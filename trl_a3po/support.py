@@ -9,7 +9,14 @@ import torch
 from accelerate.utils import is_peft_model
 
 from .config import A3POConfig
-from .rollout.policy_weights import PEFT_ON_SHARDS
+from .rollout.backend import backend_entry
+
+
+PEFT_ON_SHARDS = (
+    "async_generation=True with a PEFT adapter on sharded parameters (FSDP or DeepSpeed ZeRO-3) is not supported (the "
+    "merged weights would have to be built from shards); set async_generation=False, or train the adapter with DDP / "
+    "ZeRO-2 (a LoRA model fits on one GPU)."
+)
 
 
 def check_supported(args: A3POConfig, given: dict) -> None:
@@ -58,10 +65,9 @@ def _check_supported_async(args: A3POConfig, given: dict, images: set) -> None:
     peft_config = given.get("peft_config") or (model.peft_config if peft_model else None)
     if peft_config is None:
         return
-    if args.lora_weight_sync == "adapter":
-        from .rollout.vllm_server import adapter_unservable_reason
-
-        reason = adapter_unservable_reason(peft_config if isinstance(peft_config, dict) else {"default": peft_config})
+    if args.lora_weight_sync == "adapter":  # (a backend without adapters is refused by the config)
+        unservable_adapter = backend_entry(args.rollout_backend).unservable_adapter
+        reason = unservable_adapter(peft_config if isinstance(peft_config, dict) else {"default": peft_config})
         if reason:
             raise ValueError(
                 f"lora_weight_sync='adapter' cannot serve {reason}; set lora_weight_sync='auto' (merged "

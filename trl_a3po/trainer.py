@@ -51,8 +51,8 @@ from .proximal import (
 )
 from .rollout import generate_with_behavior_logprobs
 from .rollout.async_rollout import AsyncRollout, GeneratedShare
-from .rollout.policy_weights import PEFT_ON_SHARDS
-from .support import check_supported
+from .rollout.prompt_plan import PlanSource
+from .support import PEFT_ON_SHARDS, check_supported
 from .timing import ProxTimer
 
 
@@ -72,10 +72,8 @@ class _Scoring:
     # GRPOTrainer runs its "old log-prob" forward first in scoring, iff gradient_accumulation_steps is not a multiple
     # of steps_per_generation * num_iterations (A3POConfig refuses TRL's other reason, vLLM importance sampling).
     skip_old_logp_forward: bool
-    # Per completion token, the policy version that generated it; set by the generation hook when the batch was
-    # generated ahead (None: generated just now, by the weights being trained).
-    behavior_versions: list[list[int]] | None = None
-    # The producer's share of this batch, when generated ahead: the generation hooks hand TRL its parts.
+    # The producer's share of this batch, when generated ahead: the generation hooks hand TRL its parts, and its
+    # per-token versions become `behavior_version` (None: generated just now, by the weights being trained).
     share: GeneratedShare | None = None
 
 
@@ -201,6 +199,11 @@ class A3POTrainer(GRPOTrainer):
         return self._micro_steps_per_generation // self.args.gradient_accumulation_steps
 
     @property
+    def _generation_batch_index(self) -> int:
+        """The generation batch this micro-step trains (GRPOTrainer's `_step` counts micro-steps)."""
+        return self._step // self._micro_steps_per_generation
+
+    @property
     def policy_version(self) -> int:
         """The version being trained: the number of training steps completed."""
         return self.state.global_step // self._optimizer_steps_per_version
@@ -212,7 +215,7 @@ class A3POTrainer(GRPOTrainer):
         if not self.args.async_generation:
             return super().train(*args, **kwargs)
         # The trainer side of asynchronous generation lives exactly as long as this call (see `AsyncRollout`).
-        self._rollout = AsyncRollout(self)
+        self._rollout = AsyncRollout(self, self._plan_source())
         try:
             result = super().train(*args, **kwargs)
         except BaseException:
@@ -226,6 +229,24 @@ class A3POTrainer(GRPOTrainer):
             raise
         self._close_rollout()
         return result
+
+    def _plan_source(self) -> PlanSource:
+        """What the producer's prompt plans read: the training dataloader's sampler, sizes and sharding."""
+        return PlanSource(
+            dataset=self.train_dataset,
+            sampler=self._get_train_sampler,
+            collate=self._get_collator_with_removed_columns(self.data_collator, description="Training"),
+            rows_per_batch=self._train_batch_size * self.args.steps_per_generation,
+            repeats=self._micro_steps_per_generation,
+            drop_last=self.args.dataloader_drop_last,
+            shuffle=self.shuffle_dataset,
+            seed=self.args.seed,
+            num_generations=self.num_generations,
+            generation_batch_size=self.args.generation_batch_size,
+            num_processes=self.accelerator.num_processes,
+            even_batches=self.accelerator.even_batches,
+            split_batches=self.accelerator.split_batches,
+        )
 
     def _close_rollout(self) -> None:
         if self._rollout is not None:
@@ -241,16 +262,16 @@ class A3POTrainer(GRPOTrainer):
         generate_every = self._micro_steps_per_generation
         if self._step % generate_every == 0 or self._buffered_inputs is None:
             batch = self._generate_and_score_completions(generation_batch)
-            generator = torch.Generator().manual_seed(self.args.seed * 1_000_003 + self._step // generate_every)
+            generator = torch.Generator().manual_seed(self.args.seed * 1_000_003 + self._generation_batch_index)
             permutation = torch.randperm(len(batch["prompt_ids"]), generator=generator)
             batch = {key: _take_rows(value, permutation) for key, value in batch.items()}
             self._buffered_inputs = split_tensor_dict(batch, self.args.steps_per_generation)
         return self._buffered_inputs[self._step % self.args.steps_per_generation]
 
     def _take_generated_batch(self) -> GeneratedShare:
-        """The producer's batch for this training step, in place of generating it now; its per-token versions go to
-        scoring (`_Scoring`), its queue metrics to the logs."""
-        index = self._step // self._micro_steps_per_generation
+        """The producer's batch for this training step, in place of generating it now (scored through `_Scoring`);
+        its queue metrics go to the logs."""
+        index = self._generation_batch_index
         version = self.policy_version
         if index != version:
             raise RuntimeError(
@@ -259,7 +280,6 @@ class A3POTrainer(GRPOTrainer):
                 "layout?)"
             )
         share = self._rollout.take(index, version)
-        self._scoring.behavior_versions = share.versions
         for key, value in share.stats.items():
             self._metrics["train"][key].append(value)
         return share
@@ -269,7 +289,7 @@ class A3POTrainer(GRPOTrainer):
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
         if self._scoring is not None and self._scoring.share is not None:  # generated ahead
             share = self._scoring.share
-            share.check_prompts(self._step // self._micro_steps_per_generation, prompt_ids)
+            share.check_prompts(self._generation_batch_index, prompt_ids)
             if share.episodes is not None:  # TRL parses the first turn, then asks `_tool_call_loop` for the rest
                 return [e.first_turn_ids for e in share.episodes], [e.first_turn_logprobs for e in share.episodes]
             return share.completion_ids, share.logprobs
@@ -314,7 +334,7 @@ class A3POTrainer(GRPOTrainer):
             return self._user_rollout_func(prompts, trainer)
         episodes = share.episodes
         if [e.prompt for e in episodes] != list(prompts):
-            share.check_prompts(self._step // self._micro_steps_per_generation, [])  # raises, naming the batch
+            share.check_prompts(self._generation_batch_index, [])  # raises, naming the batch
         fields = episodes[0].rollout_fields
         return {
             "prompt_ids": [e.prompt_ids for e in episodes],
@@ -394,9 +414,9 @@ class A3POTrainer(GRPOTrainer):
                 "log-prob; check its dtype (fp16 overflow) and its logprobs mode (processed_logprobs)."
             )
         # Per completion token (B, T): a sequence generated across a weight update has tokens of several versions.
-        if scoring.behavior_versions is not None:  # generated ahead by the producer
+        if scoring.share is not None:  # generated ahead by the producer
             # Padding positions take their row's last version: masked everywhere, and never a negative staleness.
-            rows = [torch.tensor(versions, dtype=torch.long) for versions in scoring.behavior_versions]
+            rows = [torch.tensor(versions, dtype=torch.long) for versions in scoring.share.versions]
             behavior_version = torch.stack(
                 [
                     torch.nn.functional.pad(

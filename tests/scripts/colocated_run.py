@@ -18,15 +18,11 @@ import time
 from pathlib import Path
 
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests/: conftest's helpers
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests/: testing_utils
 
 import torch  # noqa: E402
 from datasets import Dataset  # noqa: E402
-from transformers import AutoModelForCausalLM, TrainerCallback  # noqa: E402
-
-from trl_a3po import A3POConfig, A3POTrainer  # noqa: E402
-
-from conftest import (  # noqa: E402
+from testing_utils import (  # noqa: E402
     COMMON,
     VersionRecorder,
     check_behaviour_logprobs_against_versions,
@@ -36,6 +32,9 @@ from conftest import (  # noqa: E402
     producer_threads,
     record_trained_samples,
 )
+from transformers import AutoModelForCausalLM, TrainerCallback  # noqa: E402
+
+from trl_a3po import A3POConfig, A3POTrainer  # noqa: E402
 
 
 mode, out_dir = sys.argv[1], Path(sys.argv[2])

@@ -15,14 +15,13 @@ import sys
 from pathlib import Path
 
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests/ for conftest helpers
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests/ for testing_utils
 
 from datasets import Dataset  # noqa: E402
+from testing_utils import COMMON, digit_reward, make_model, make_tokenizer  # noqa: E402
 from transformers import TrainerCallback  # noqa: E402
 
 from trl_a3po import A3POConfig, A3POTrainer  # noqa: E402
-
-from conftest import COMMON, digit_reward, make_model, make_tokenizer  # noqa: E402
 
 
 out_dir, mode = Path(sys.argv[1]), sys.argv[2]

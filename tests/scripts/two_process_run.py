@@ -34,15 +34,11 @@ import time
 from pathlib import Path
 
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests/ for conftest helpers
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests/ for testing_utils
 
 import torch  # noqa: E402
 from datasets import Dataset  # noqa: E402
-
-from trl_a3po import A3POConfig, A3POTrainer  # noqa: E402
-from trl_a3po.rollout import GenerationQueue  # noqa: E402
-
-from conftest import (  # noqa: E402
+from testing_utils import (  # noqa: E402
     NEWER_VERSION_DUE,
     AddingEnvironment,
     VersionRecorder,
@@ -55,6 +51,9 @@ from conftest import (  # noqa: E402
     tool_question,
     wait_for_the_next_version,
 )
+
+from trl_a3po import A3POConfig, A3POTrainer  # noqa: E402
+from trl_a3po.rollout import GenerationQueue  # noqa: E402
 
 
 def model_tokens(sample):

@@ -14,22 +14,18 @@ it.
 from __future__ import annotations
 
 import contextlib
-import itertools
 import sys
 import time
 from dataclasses import dataclass
 
-import datasets
-from accelerate.data_loader import BatchSamplerShard, prepare_data_loader
 from accelerate.utils import broadcast_object_list
-from torch.utils.data import BatchSampler, DataLoader
-from trl.trainer.utils import repeat_iterable_dataset
 
 from .backend import BackendContext, backend_entry
 from .continuous import ContinuousGenerationQueue
 from .episodes import Episode, EpisodeRunner
 from .errors import for_other_processes
 from .policy_weights import policy_tensors
+from .prompt_plan import PlanSource, generation_batches
 from .queue import GenerationQueue, StalenessBound
 
 
@@ -56,8 +52,9 @@ class GeneratedShare:
 class AsyncRollout:
     """Generation ahead of `trainer` (an A3POTrainer) within its staleness bound; see the module's docstring."""
 
-    def __init__(self, trainer):
+    def __init__(self, trainer, plan_source: PlanSource):
         self.trainer = trainer
+        self.plan_source = plan_source  # what the prompt plans read (`prompt_plan.py`)
         self.args = trainer.args
         self.accelerator = trainer.accelerator
         # All fields below: the trainer's main thread only.
@@ -126,7 +123,7 @@ class AsyncRollout:
             turn_weight_updates=self.args.turn_weight_updates,
         )
         self.queue.start()
-        self.plans = [self._generation_batches(first_index, p) for p in served]
+        self.plans = [generation_batches(self.plan_source, first_index, p) for p in served]
 
     def close(self) -> None:
         queue, self.queue, self.plans = self.queue, None, None
@@ -278,88 +275,6 @@ class AsyncRollout:
         else:
             with policy_tensors(self.trainer) as named_tensors:
                 yield named_tensors
-
-    # ------------------------------------------------------------------ prompt plans
-
-    def _generation_batches(self, start: int, process_index: int):
-        """One process's generation batches (dataset rows) in the synchronous trainer's order, from `start` on.
-
-        The same sampler, seed and Accelerate sharding as the training dataloader (which yields each generation batch
-        R = steps_per_generation * num_iterations times in a row); every process checks its share against it.
-        """
-        trainer = self.trainer
-        if isinstance(trainer.train_dataset, datasets.IterableDataset):
-            yield from self._streamed_generation_batches(start, process_index)
-            return
-        repeats = trainer._micro_steps_per_generation
-        batches = BatchSamplerShard(
-            BatchSampler(
-                trainer._get_train_sampler(),
-                trainer._train_batch_size * self.args.steps_per_generation,
-                drop_last=self.args.dataloader_drop_last,
-            ),
-            num_processes=self.accelerator.num_processes,
-            process_index=process_index,
-            split_batches=False,
-            even_batches=self.accelerator.even_batches,
-        )
-        per_epoch = len(batches) // repeats
-        if per_epoch == 0:
-            raise ValueError("the train dataset is smaller than one generation batch")
-        # Like the Trainer on resume: a fresh sampler, skipping the batches already consumed in the current epoch.
-        skip = start % per_epoch
-        index = start
-        for _epoch in itertools.count():
-            for position, indices in enumerate(batches):
-                if position % repeats:
-                    continue  # a repeat of the generation batch just yielded
-                if skip:
-                    skip -= 1
-                    continue
-                yield index, [trainer.train_dataset[i] for i in indices]
-                index += 1
-
-    def _streamed_generation_batches(self, start: int, process_index: int):
-        """`_generation_batches` for an iterable dataset, which has no sampler to replay: a second reader of the same
-        stream. TRL's `get_train_dataloader` transform (buffered shuffle by seed, `repeat_iterable_dataset`), sharded
-        for `process_index` by Accelerate's own `prepare_data_loader` as the training dataloader is, one epoch after
-        another (`set_epoch` reshuffles, as the Trainer's epoch loop does). Batches already trained on resume are read
-        and skipped from the stream's start, as the Trainer skips them."""
-        trainer = self.trainer
-        repeats = trainer._micro_steps_per_generation
-        dataset = trainer.train_dataset
-        if trainer.shuffle_dataset:
-            dataset = dataset.shuffle(seed=self.args.seed)
-        dataset = repeat_iterable_dataset(
-            dataset,
-            mini_repeat_count=trainer.num_generations,
-            batch_size=self.args.generation_batch_size // trainer.num_generations,
-            repeat_count=repeats,
-        )
-        collate = trainer._get_collator_with_removed_columns(trainer.data_collator, description="Training")
-        loader = prepare_data_loader(
-            DataLoader(
-                dataset, batch_size=trainer._train_batch_size * self.args.steps_per_generation, collate_fn=collate
-            ),
-            num_processes=self.accelerator.num_processes,
-            process_index=process_index,
-            split_batches=self.accelerator.split_batches,
-            even_batches=self.accelerator.even_batches,
-            dispatch_batches=False,  # TRL requires it for iterable datasets
-        )
-        index = 0
-        for epoch in itertools.count():
-            loader.set_epoch(epoch)
-            read = 0
-            for position, rows in enumerate(loader):
-                read += 1
-                if position % repeats:
-                    continue  # a repeat of the generation batch just read
-                if index >= start:
-                    yield index, rows
-                index += 1
-            if read == 0:
-                raise ValueError("the train dataset streamed no complete generation batch")
 
 
 class _PlayedSlots:

@@ -38,6 +38,8 @@ class BackendEntry:
     inflight_updates: bool = True  # `generate_until` stops between two tokens for a newer version
     continuous_generation: bool = True  # several batches at once (merged, or concurrent requests)
     adapters: bool = False  # receives a LoRA adapter alone (lora_weight_sync='adapter')
+    # With adapters: why it cannot serve a PEFT policy's adapters ({name: config}) as they are, or None
+    unservable_adapter: Callable[[dict], str | None] = lambda peft_configs: None
 
 
 def _inprocess(context: BackendContext):
@@ -67,6 +69,12 @@ def _vllm_server(context: BackendContext):
     return VLLMServerBackend.from_config(context.args, context.eos_token_ids, peft_configs=peft_configs)
 
 
+def _unservable_by_vllm(peft_configs: dict) -> str | None:
+    from .vllm_server import adapter_unservable_reason
+
+    return adapter_unservable_reason(peft_configs)
+
+
 def _vllm_colocate(context: BackendContext):
     from .vllm_colocate import VLLMColocateBackend
 
@@ -75,7 +83,9 @@ def _vllm_colocate(context: BackendContext):
 
 _REGISTRY: dict[str, BackendEntry] = {
     "inprocess": BackendEntry(_inprocess),
-    "vllm_server": BackendEntry(_vllm_server, serves_every_process=True, adapters=True),
+    "vllm_server": BackendEntry(
+        _vllm_server, serves_every_process=True, adapters=True, unservable_adapter=_unservable_by_vllm
+    ),
     # vLLM's engine steps every request it holds: one request at a time, no stop between tokens for a version
     "vllm_colocate": BackendEntry(_vllm_colocate, inflight_updates=False, continuous_generation=False),
 }

@@ -41,7 +41,7 @@ from trl import GRPOTrainer
 from trl.chat_template_utils import parse_response
 from trl.data_utils import is_conversational
 
-from .errors import our_code, user_code
+from .errors import EpisodesStopped, our_code, user_code
 
 
 @dataclass
@@ -67,11 +67,6 @@ class Episode:
     # (those named in `rollout_fields_per_row`), the whole value of the others
     rollout_fields: dict | None = None
     rollout_fields_per_row: set | None = None
-
-
-class EpisodesStopped(BaseException):
-    """The producer is stopping: the episode is abandoned. A BaseException, so that TRL's tool loop, which counts any
-    Exception of a tool as a failed call, lets it end the episode."""
 
 
 @dataclass

@@ -17,6 +17,11 @@ class ProducerError(RuntimeError):
     """The producer's own machinery failed; the original exception is the `__cause__`."""
 
 
+class EpisodesStopped(BaseException):
+    """The producer is stopping: an episode is abandoned. A BaseException, so that TRL's tool loop, which counts any
+    Exception of a tool as a failed call, lets it end the episode."""
+
+
 _RAISED_BY = "_a3po_raised_by"  # on a user's exception: what of theirs raised it
 _NOTED = "_a3po_noted"
 

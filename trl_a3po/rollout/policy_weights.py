@@ -11,13 +11,6 @@ from collections.abc import Iterator
 from accelerate.utils import is_peft_model
 
 
-PEFT_ON_SHARDS = (
-    "async_generation=True with a PEFT adapter on sharded parameters (FSDP or DeepSpeed ZeRO-3) is not supported (the "
-    "merged weights would have to be built from shards); set async_generation=False, or train the adapter with DDP / "
-    "ZeRO-2 (a LoRA model fits on one GPU)."
-)
-
-
 @contextlib.contextmanager
 def policy_tensors(trainer) -> Iterator[Iterator[tuple]]:
     """A trainer's whole policy weights as (name, tensor) pairs under plain HF names, sharing the live storage (the

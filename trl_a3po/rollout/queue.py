@@ -31,8 +31,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
-from .episodes import EpisodesStopped
-from .errors import as_raised_in_train
+from .errors import EpisodesStopped, as_raised_in_train
 
 
 @dataclass(frozen=True)
