@@ -6,11 +6,13 @@ anchor is the loglinear interpolation (or the recomputed proximal log-probs), th
 pi_theta / anchor, times the capped behaviour weight pi_anchor / pi_behav.
 """
 
+import functools
 import math
 
 import pytest
+import testing_utils
 import torch
-from testing_utils import generate_two_versions_ahead, make_trainer, producer_threads
+from testing_utils import generate_two_versions_ahead, producer_threads
 from trl import GRPOConfig, GRPOTrainer
 
 from trl_a3po import A3POConfig, A3POTrainer
@@ -32,17 +34,8 @@ OPTIONS = {
 CASES = [dict(loss_type=t, importance_sampling_level=lv) for t in LOSS_TYPES for lv in LEVELS] + list(OPTIONS.values())
 IDS = [f"{t}-{lv}" for t in LOSS_TYPES for lv in LEVELS] + list(OPTIONS)
 
-COMMON = dict(
-    per_device_train_batch_size=4,
-    num_generations=4,
-    max_completion_length=6,
-    report_to="none",
-    use_cpu=True,
-    save_strategy="no",
-    seed=0,
-    bf16=False,
-    epsilon=0.1,
-)
+# This module's shape over the tests' common config: short completions and a tighter clip (its hand-checked numbers).
+make_trainer = functools.partial(testing_utils.make_trainer, max_completion_length=6, epsilon=0.1)
 
 
 def forward(trainer, batch):
