@@ -16,10 +16,10 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tests"))
 
 from datasets import Dataset  # noqa: E402
+from testing_utils import digit_reward, make_model, make_tokenizer  # noqa: E402
 
 from trl_a3po import A3POConfig, A3POTrainer  # noqa: E402
 
-from testing_utils import digit_reward, make_model, make_tokenizer  # noqa: E402
 from standin_server import StandinServer  # noqa: E402
 
 
