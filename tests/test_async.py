@@ -20,7 +20,6 @@ from testing_utils import (
     make_trainer,
     producer_threads,
     record_trained_samples,
-    slow_generation,
     wait_for_the_next_version,
 )
 from transformers import TrainerCallback
@@ -173,16 +172,13 @@ def test_every_sample_behaviour_logprobs_come_from_its_recorded_version(
 def test_inflight_weight_updates_keep_every_token_on_its_recorded_version(
     tmp_path, tokenizer, prompt_dataset, monkeypatch, continuous
 ):
-    # In-flight updates on, versions published mid-sequence: one batch at a time, generation slowed (20 ms a token);
-    # continuous, a stream holding only batches ahead of the trainer waits for the next version at each token
+    # In-flight updates on, versions published mid-sequence: a generation holding only batches ahead of the trainer
+    # (the producer's, one batch at a time; continuous, a stream's) waits for the next version at each token
     # (`wait_for_the_next_version`: no race with the trainer). Every trained token's behaviour log-prob is what its
     # own recorded version gives it, sequences do mix versions, the bound holds per token, and the prompt order is
     # the synchronous run's. Continuous: the batches waiting are generated together in one `generate`, a stopped
     # generation's tail with the next batch's rows.
-    if continuous:
-        monkeypatch.setattr(GenerationQueue, "_newer_version_due", wait_for_the_next_version)
-    else:
-        slow_generation(monkeypatch)
+    monkeypatch.setattr(GenerationQueue, "_newer_version_due", wait_for_the_next_version)
     rows_per_call = []
     generate_until = InProcessBackend.generate_until
     monkeypatch.setattr(

@@ -28,7 +28,6 @@ from testing_utils import (
     producer_threads,
     record_trained_samples,
     require_deepspeed,
-    slow_generation,
     vllm_python,
     wait_for_the_next_version,
 )
@@ -197,10 +196,8 @@ def test_async_training_on_the_vllm_server_respects_the_bound(
     tmp_path, vllm_server, prompt_dataset, inflight, continuous, monkeypatch
 ):
     # in-flight: requests aborted mid-sequence, the version pushed, the rest resubmitted
-    if inflight and continuous:
+    if inflight:
         monkeypatch.setattr(GenerationQueue, "_newer_version_due", wait_for_the_next_version)
-    elif inflight:
-        slow_generation(monkeypatch)
     streams = {"now": 0, "most": 0, "first": True}
     if continuous:  # count the requests streaming at once
         changed, generate_until = threading.Condition(), VLLMServerBackend.generate_until

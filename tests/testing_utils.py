@@ -341,40 +341,34 @@ def logged(trainer, key):
     return [h[key] for h in trainer.state.log_history if key in h]
 
 
-def slow_generation(monkeypatch, seconds_per_token=0.02):
-    """Slow the producer's generation down (it asks whether a newer version is due once per token), so that with
-    in-flight weight updates versions are published in the middle of sequences."""
-    newer_version_due = GenerationQueue._newer_version_due
-    monkeypatch.setattr(
-        GenerationQueue,
-        "_newer_version_due",
-        lambda queue, *held: time.sleep(seconds_per_token) or newer_version_due(queue, *held),
-    )
-
-
 NEWER_VERSION_DUE = GenerationQueue._newer_version_due  # as defined, before any test patches it
 
 
 def wait_for_the_next_version(queue, *held_version) -> bool:
-    """`GenerationQueue._newer_version_due` for continuous generation with in-flight updates, where a race decides
-    whether versions change mid-sequence: in-process, the first batches are merged into one `generate` and only the
-    last is left to be caught (a slow machine's trainer once lost at 60 ms per token); on a vLLM server every batch
-    streams at once, and a loaded machine's trainer published only after all had ended. Instead, a stream (thread
-    `a3po-stream-<its first batch>`) that holds only batches the trainer does not need yet (every index above the
-    newest published version: the trainer trains that version's batch and publishes the next one without them) waits,
-    at each token, until a newer version is due; so every run has versions change mid-sequence, on any machine."""
+    """`GenerationQueue._newer_version_due` for in-flight updates, where a race decides whether versions change
+    mid-sequence (a slow machine's trainer once lost at 60 ms per token; on a vLLM server every batch streams at once,
+    and a loaded machine's trainer published only after all had ended). Instead, a generation of batches the trainer
+    does not need yet (every index above the newest published version: the trainer trains that version's batch and
+    publishes the next one without them) waits, at each token, until a newer version is due; so every run has
+    versions change mid-sequence, on any machine. Who generates what: a stream thread `a3po-stream-<its first batch>`
+    (continuous generation), or the producer thread's `generating_batch`."""
     thread = threading.current_thread().name
     if thread.startswith("a3po-stream-"):
-        first_batch = int(thread.removeprefix("a3po-stream-"))
+        batch = int(thread.removeprefix("a3po-stream-"))
+    elif threading.current_thread() is queue._thread:
+        batch = queue.generating_batch
+    else:
+        batch = None
+    if batch is not None:
         deadline = time.monotonic() + 120
         while (
-            first_batch > queue.published_version
+            batch > queue.published_version
             and not NEWER_VERSION_DUE(queue, *held_version)
             and not queue._stop.is_set()
         ):
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{thread}: no version after {queue.published_version} published in 120 s")
-            time.sleep(0.01)
+            queue._stop.wait(0.01)  # a condition the trainer sets (a newer version), read again
     return NEWER_VERSION_DUE(queue, *held_version)
 
 

@@ -13,9 +13,9 @@ A `-iterable` suffix on sync, async and vllm runs streams the dataset (`Iterable
                                                                  tool calls (TRL's `tools`, or an environment_factory)
                                                                  with the tool model saved in MODEL_DIR
 
-`*-inflight` modes turn on in-flight weight updates so that versions are published mid-sequence: generation is slowed
-(20 ms each time the producer asks whether a newer version is due, i.e. per token), and continuous generation
-waits for the next version instead (test_async.py's `wait_for_the_next_version`); `*-continuous-inflight` also
+`*-inflight` modes turn on in-flight weight updates so that versions are published mid-sequence: a generation of
+batches ahead of the trainer waits, at each token, for the next version (testing_utils' `wait_for_the_next_version`);
+`*-continuous-inflight` also
 generates every admitted batch at once (continuous_generation: in-process merged into one `generate`, on the server
 as concurrent requests).
 
@@ -30,7 +30,6 @@ who initialises a communicator and how many pushes reach it; generation still ru
 import json
 import os
 import sys
-import time
 from pathlib import Path
 
 
@@ -39,7 +38,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests/ for te
 import torch  # noqa: E402
 from datasets import Dataset  # noqa: E402
 from testing_utils import (  # noqa: E402
-    NEWER_VERSION_DUE,
     AddingEnvironment,
     VersionRecorder,
     add,
@@ -80,10 +78,8 @@ inflight = mode.endswith("-inflight")
 agentic = mode.endswith(("-tools", "-env", "-reset"))
 seen = []
 
-if mode.endswith("-continuous-inflight"):
+if inflight:
     GenerationQueue._newer_version_due = wait_for_the_next_version
-elif inflight:
-    GenerationQueue._newer_version_due = lambda queue, *held: time.sleep(0.02) or NEWER_VERSION_DUE(queue, *held)
 
 
 def recorded_reward(prompts, completions, **kwargs):

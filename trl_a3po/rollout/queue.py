@@ -140,6 +140,7 @@ class GenerationQueue:
         self._next_get: int | None = None  # trainer only
         self._error: BaseException | None = None  # written once by the producer, before its failure sentinel
         self._doing = "starting"  # producer: what it is doing, for the failure's message (read when it fails)
+        self.generating_batch: int | None = None  # producer: the single-turn batch it is generating (any thread reads)
         self._stop = threading.Event()  # set by close (trainer) or a failing coordinator
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
 
@@ -259,6 +260,7 @@ class GenerationQueue:
                 if self._inflight:
                     completion_ids, logprobs, versions, switch_s = self._generate_across_versions(request)
                 else:
+                    self.generating_batch = request.index
                     self._doing = f"generating batch {request.index} with version {self._held_version}"
                     completion_ids, logprobs = self._backend.generate(request.prompt_ids, self._stop)
                     versions = [[self._held_version] * len(ids) for ids in completion_ids]
@@ -315,6 +317,7 @@ class GenerationQueue:
         n = len(request.prompt_ids)
         ids, logprobs, versions = [[] for _ in range(n)], [[] for _ in range(n)], [[] for _ in range(n)]
         active, switch_s = list(range(n)), 0.0
+        self.generating_batch = request.index
         while True:
             self._doing = f"generating batch {request.index} with version {self._held_version}"
             new_ids, new_logprobs, unfinished = self._backend.generate_until(
