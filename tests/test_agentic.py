@@ -506,19 +506,24 @@ def test_a_rollout_func_runs_in_the_producer_with_its_version(tmp_path, tokenize
     assert max(logged(trainer, "a3po/staleness/max")) > 0  # generated ahead
 
 
+def rollout_func_trainer(tmp_path, model, tokenizer, dataset, rollout_func):
+    """An A3POTrainer with a rollout_func and a zero reward (the rollout_func tests that expect `train()` to fail)."""
+    return A3POTrainer(
+        model,
+        lambda completions, **kw: [0.0] * len(completions),
+        args=config(tmp_path, max_completion_length=8),
+        train_dataset=dataset,
+        processing_class=tokenizer,
+        rollout_func=rollout_func,
+    )
+
+
 def test_a_rollout_func_that_generates_elsewhere_is_refused(tmp_path, tokenizer, model, prompt_dataset):
     def own_server(prompts, trainer):  # stands for a rollout_func that calls a server of its own
         prompt_ids = [trainer.processing_class(p)["input_ids"] for p in prompts]
         return {"prompt_ids": prompt_ids, "completion_ids": [[5, 6]] * len(prompts), "logprobs": [[-1.0, -1.0]] * 4}
 
-    trainer = A3POTrainer(
-        model,
-        lambda completions, **kw: [0.0] * len(completions),
-        args=config(tmp_path, max_completion_length=8),
-        train_dataset=prompt_dataset,
-        processing_class=tokenizer,
-        rollout_func=own_server,
-    )
+    trainer = rollout_func_trainer(tmp_path, model, tokenizer, prompt_dataset, own_server)
     with pytest.raises(ValueError, match=r"must generate through `trainer.a3po_generate\(prompt_ids\)`") as info:
         trainer.train()
     assert "in A-3PO's generation producer while playing the episodes of batch 0" in info.value.__notes__[-1]
@@ -579,14 +584,7 @@ def test_the_users_exceptions_in_the_producer_reach_train_as_themselves(
     def divides(prompts, trainer):
         return 1 / 0
 
-    trainer = A3POTrainer(
-        model,
-        lambda completions, **kw: [0.0] * len(completions),
-        args=config(tmp_path, max_completion_length=8),
-        train_dataset=prompt_dataset,
-        processing_class=tokenizer,
-        rollout_func=divides,
-    )
+    trainer = rollout_func_trainer(tmp_path, model, tokenizer, prompt_dataset, divides)
     with pytest.raises(ZeroDivisionError) as info:
         trainer.train()
     assert "rollout_func ('divides')" in info.value.__notes__[0]
@@ -602,14 +600,7 @@ def test_a_failure_of_the_generation_a_rollout_func_asks_for_stays_a_producer_er
         raise RuntimeError("the generator broke (injected)")
 
     monkeypatch.setattr(InProcessBackend, "generate", broken)
-    trainer = A3POTrainer(
-        model,
-        lambda completions, **kw: [0.0] * len(completions),
-        args=config(tmp_path, max_completion_length=8),
-        train_dataset=prompt_dataset,
-        processing_class=tokenizer,
-        rollout_func=two_turn_rollout([]),
-    )
+    trainer = rollout_func_trainer(tmp_path, model, tokenizer, prompt_dataset, two_turn_rollout([]))
     with pytest.raises(ProducerError, match="the generator broke") as info:
         trainer.train()
     assert isinstance(info.value.__cause__, RuntimeError)

@@ -27,9 +27,8 @@ _NOTED = "_a3po_noted"
 
 
 @contextlib.contextmanager
-def user_code(what: str):
-    """Around a call into the user's code (or a check of the user's data) in the producer: its exception is theirs,
-    unless it came from `our_code` within (the generation a `rollout_func` asks the producer for)."""
+def _raised_by(what: str | None):
+    """Marks an exception raised inside with what raised it (None: our own machinery), unless an inner block did."""
     try:
         yield
     except Exception as error:
@@ -38,15 +37,15 @@ def user_code(what: str):
         raise
 
 
-@contextlib.contextmanager
+def user_code(what: str):
+    """Around a call into the user's code (or a check of the user's data) in the producer: its exception is theirs,
+    unless it came from `our_code` within (the generation a `rollout_func` asks the producer for)."""
+    return _raised_by(what)
+
+
 def our_code():
     """Around our machinery called from within the user's code: its failures stay ours (a `ProducerError`)."""
-    try:
-        yield
-    except Exception as error:
-        if not hasattr(error, _RAISED_BY):
-            setattr(error, _RAISED_BY, None)
-        raise
+    return _raised_by(None)
 
 
 def is_users(error: BaseException) -> bool:
