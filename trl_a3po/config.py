@@ -83,6 +83,8 @@ class A3POConfig(GRPOConfig):
         generation_compile (`bool` or `None`, *optional*, defaults to `None`):
             In-process generation ahead: a static KV cache and compiled, CUDA-graph-captured decoding steps
             (transformers' own), compiled once per run. None: on CUDA only.
+        record_generation_batches (`str` or `None`, *optional*, defaults to `None`):
+            Folder to write every generation batch trained on, as trained, for `trl_a3po.replay`; `None` = none.
     """
 
     prox_logp_method: str = field(
@@ -318,6 +320,16 @@ class A3POConfig(GRPOConfig):
         },
     )
 
+    record_generation_batches: str | None = field(
+        default=None,
+        metadata={
+            "help": "Folder to record every generation batch this run trains on, scored and in the order consumed "
+            "(prompt and completion ids, masks, behaviour log-probs, per-token versions, rewards, advantages), with "
+            "a manifest of the run's config and initial weights: `trl_a3po.replay.ReplayTrainer` trains on it again "
+            "with another proximal anchor. Asynchronous generation only. None: record nothing."
+        },
+    )
+
     def __post_init__(self):
         if self.vllm_importance_sampling_correction is None:
             self.vllm_importance_sampling_correction = not self.use_decoupled_loss
@@ -532,6 +544,13 @@ class A3POConfig(GRPOConfig):
                 "max_staleness=0 leaves no room to generate ahead: generation will not overlap training. Set "
                 "max_staleness >= 1 for overlap (2+ for the A-3PO approximation to engage).",
                 stacklevel=3,
+            )
+        if self.record_generation_batches is not None and not (self.async_generation and self.use_decoupled_loss):
+            raise ValueError(
+                "record_generation_batches records what a replay retrains with the decoupled loss: the batches of "
+                "asynchronous generation, with their versions (cut into micro-batches by its seeded shuffle). Set "
+                "async_generation=True and use_decoupled_loss=True (max_staleness=0 for synchronous data), or "
+                "record_generation_batches=None."
             )
         if self.async_generation:
             if not self.use_decoupled_loss and self.max_staleness != 0:

@@ -49,6 +49,7 @@ from .proximal import (
     decoupled_ppo_loss,
     staleness_alpha,
 )
+from .recording import BatchRecorder
 from .rollout import generate_with_behavior_logprobs
 from .rollout.async_rollout import AsyncRollout, GeneratedShare
 from .rollout.prompt_plan import PlanSource
@@ -174,6 +175,13 @@ class A3POTrainer(GRPOTrainer):
         # Asynchronous generation, for one train() call: built and closed there, started at its first batch.
         self._rollout: AsyncRollout | None = None
         self._deferred_metrics: list[tuple[str, str, torch.Tensor]] = []  # read once per optimizer step
+        # The anchor when prox_logp_method="loglinear"; a replay (trl_a3po.replay) may train with another one.
+        self._prox_approximation = "loglinear"
+        self._recorder = (
+            BatchRecorder(self.args.record_generation_batches, self)
+            if self.args.record_generation_batches is not None
+            else None
+        )
         # A rollout_func runs in the producer when generated ahead; TRL calls `self.rollout_func`, which hands TRL
         # the producer's output then (the user's function otherwise: synchronous mode, evaluation).
         self._user_rollout_func = self.rollout_func
@@ -210,14 +218,16 @@ class A3POTrainer(GRPOTrainer):
 
     # ------------------------------------------------------------------ asynchronous generation
 
-    def train(self, *args, **kwargs):
+    def train(self, resume_from_checkpoint=None, *args, **kwargs):
         self._train_start = time.perf_counter()  # for a3po/wall_time_s: reward vs wall-clock plots
         if not self.args.async_generation:
-            return super().train(*args, **kwargs)
+            return super().train(resume_from_checkpoint, *args, **kwargs)
+        if self._recorder is not None:
+            self._recorder.start(self, resuming=bool(resume_from_checkpoint))
         # The trainer side of asynchronous generation lives exactly as long as this call (see `AsyncRollout`).
-        self._rollout = AsyncRollout(self, self._plan_source())
+        self._rollout = self._start_rollout()
         try:
-            result = super().train(*args, **kwargs)
+            result = super().train(resume_from_checkpoint, *args, **kwargs)
         except BaseException:
             # The error that ended training is the one to report: a failure while closing is only a warning here.
             try:
@@ -229,6 +239,9 @@ class A3POTrainer(GRPOTrainer):
             raise
         self._close_rollout()
         return result
+
+    def _start_rollout(self) -> AsyncRollout | None:
+        return AsyncRollout(self, self._plan_source())
 
     def _plan_source(self) -> PlanSource:
         """What the producer's prompt plans read: the training dataloader's sampler, sizes and sharding."""
@@ -368,7 +381,10 @@ class A3POTrainer(GRPOTrainer):
         if share is not None and share.episodes is not None and self.environment_factories is not None:
             # The environments the episodes were played in (TRL's preamble held stand-ins: `AsyncRollout.scoring`).
             self.environments = [e.environment for e in share.episodes]
-        return super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
+        rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
+        if self._recorder is not None and self.model.training:
+            self._recorder.note_rewards(rewards_per_func)
+        return rewards_per_func
 
     def _get_per_token_logps_and_entropies(self, *args, **kwargs):
         if self._scoring is not None and self._scoring.skip_old_logp_forward:
@@ -381,6 +397,17 @@ class A3POTrainer(GRPOTrainer):
         return super()._get_per_token_logps_and_entropies(*args, **kwargs)
 
     def _generate_and_score_completions(self, inputs):
+        output = self._scored_generation_batch(inputs)
+        if self.model.training and self.args.use_decoupled_loss:
+            if self._recorder is not None:
+                self._recorder.write(self._generation_batch_index, output)
+            if self.args.prox_logp_method in ("recompute", "metrics"):
+                output["prox_per_token_logps"] = self._recompute_prox_logps(output)
+        return output
+
+    def _scored_generation_batch(self, inputs) -> dict:
+        """TRL's scored generation batch (generated now, or the producer's), with each completion token's
+        `behavior_version`."""
         decoupled = self.args.use_decoupled_loss  # GRPOTrainer's own loss reads the "old" log-probs
         scoring = self._scoring = _Scoring(
             skip_old_logp_forward=decoupled
@@ -430,8 +457,6 @@ class A3POTrainer(GRPOTrainer):
         else:  # generated just now, by the current weights
             behavior_version = torch.full(behav.shape, self.policy_version, dtype=torch.long, device=behav.device)
         output["behavior_version"] = behavior_version
-        if self.model.training and self.args.prox_logp_method in ("recompute", "metrics"):
-            output["prox_per_token_logps"] = self._recompute_prox_logps(output)
         return output
 
     def _recompute_prox_logps(self, batch) -> torch.Tensor:
@@ -495,7 +520,7 @@ class A3POTrainer(GRPOTrainer):
             prox_logp = inputs["prox_per_token_logps"]
         else:
             with self._prox_timer.measure():
-                prox_logp = approximate_prox_logp("loglinear", behav_logp, logp, staleness)
+                prox_logp = approximate_prox_logp(self._prox_approximation, behav_logp, logp, staleness)
 
         entropy_mask, keep = self._trl_masks(entropies, logp, behav_logp, mask, inputs["advantages"])
         per_token_loss, stats = decoupled_ppo_loss(
