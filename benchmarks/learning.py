@@ -182,10 +182,9 @@ def check_port_free(port: int) -> None:
             )
 
 
-def train_and_evaluate(
-    method: str, staleness: int, seed: int, args, base_model: str, results: str, learning_rate: float
-) -> None:
-    flags = [
+def sweep_flags(method: str, staleness: int, args, learning_rate: float) -> list[str]:
+    """The recipe's flags for one of the sweep's runs (seed, model, data and output folder: `run_recipe`'s)."""
+    return [
         "--max_steps",
         str(args.steps),
         "--vllm_server_port",
@@ -197,6 +196,12 @@ def train_and_evaluate(
         *TRAIN_FLAGS,
         *METHOD_FLAGS[method],
     ]
+
+
+def train_and_evaluate(
+    method: str, staleness: int, seed: int, args, base_model: str, results: str, learning_rate: float
+) -> None:
+    flags = sweep_flags(method, staleness, args, learning_rate)
     result = run_recipe(flags, method, seed, args, base_model, results, serve=True)
     result.update(max_staleness=staleness, learning_rate=learning_rate)
     write_result(results, result)

@@ -14,6 +14,7 @@ their mean with a band of +- one standard deviation, clipped to the quantity's r
   fig4_entropy.png          policy entropy vs step
   fig5_importance_weight.png  behaviour importance weight max and min vs step
   fig6_clipped_tokens.png   fraction of clipped tokens vs step
+  fig7_replay_kl.png        a replayed learner's KL to the reference learner vs step (benchmarks/replay_study.py)
 """
 
 from __future__ import annotations
@@ -45,6 +46,8 @@ FIGURES = {
         "step",
     ),
     "fig6_clipped_tokens": ("clipped tokens per step", "clip_ratio/region_mean", "fraction of tokens", "step"),
+    # benchmarks/replay_study.py: KL(reference || this learner) on a held-out set after each optimizer step
+    "fig7_replay_kl": ("KL to the reference learner", "replay/kl_reference_learner", "nats per token", "step"),
 }
 
 # What each quantity can be: a seed band (mean +- std) is clipped to it, so it never shows an accuracy above 1 or a
@@ -57,6 +60,7 @@ RANGES = {
     "a3po/behav_imp_weight/max": (0.0, None),
     "a3po/behav_imp_weight/min": (0.0, None),
     "clip_ratio/region_mean": (0.0, 1.0),
+    "replay/kl_reference_learner": (0.0, None),
 }
 
 
@@ -166,6 +170,8 @@ def plot_runs(run_dirs: list[str], out_dir: str, labels: list[str] | None = None
         ax.set(title=title, xlabel="wall-clock (s)" if x_axis == "wall" else "optimizer step", ylabel=ylabel)
         if name == "fig1_prox_time" and drawn:
             ax.set_yscale("symlog", linthresh=1e-4)
+        if name == "fig7_replay_kl" and drawn:
+            ax.set_yscale("log")
         if drawn:
             ax.legend()
         fig.tight_layout()

@@ -1,0 +1,530 @@
+"""The replay study (issue 46): the same generated data trained through each proximal anchor; resumable.
+
+    python benchmarks/replay_study.py                          # every job not finished yet, then the report
+    python benchmarks/replay_study.py --only record:8:0 replay:8:0 scale:8
+    python benchmarks/replay_study.py --report                 # tables and figure from the finished jobs only
+
+Why: in the closed-loop sweep (benchmarks/learning.py) each run samples its own data, and the paired loglinear -
+recompute intervals came out 5-20x wider than the difference in question. Here the data is fixed. Jobs:
+  record:D:SEED   the sweep's recipe (SmolLM2-135M-Instruct, addition, generation on a CPU vLLM server) with
+                  prox_logp_method=recompute at max_staleness D, recording every generation batch it trains on
+                  (`--record_generation_batches`; `trl_a3po/recording.py` has the format). Kept, with the run's log
+                  and greedy accuracy, in `benchmarks/runs/replay/streams/dD-sSEED/` (the recording is ~3 MB).
+  replay:D:SEED   one learner per anchor (recompute, loglinear, linear, rollout: `trl_a3po.replay.ANCHORS`) trained
+                  on that stream by `ReplayTrainer`, from the base model, in lockstep: one process per learner (one
+                  thread each), stopped after every optimizer step while this process compares them: the KL between
+                  every two learners' next-token distributions on a fixed held-out set (both directions, nats per
+                  token) and the cosine between their updates (this step's change of all weights). Then each
+                  learner's greedy accuracy on the 200 held-out problems. `benchmarks/runs/replay/replays/dD-sSEED/`.
+  scale:D         for scale, the same KL between closed-loop runs of one method with different seeds: the recompute
+                  replays of the three streams at D, in lockstep (each reproduces its closed-loop recording run up to
+                  float rounding: a replay of the recorded anchor is that run, bit for bit, when its thread count
+                  matches; tests/test_replay.py). `benchmarks/runs/replay/scale/dD/`.
+The held-out set for the KL: the first 32 held-out problems, each with one completion the base model sampled once
+(32 tokens, temperature 1, seed 0; `heldout.pt`), teacher-forced: KL over the next-token distribution at each of
+its tokens.
+
+What a replay shows and does not: how far the anchor alone moves learning, on data none of the replayed learners
+chose except the recompute one (the recording's own method). Unclipped and uncapped, the decoupled loss's gradient
+is A * pi_theta / pi_behav * grad log pi_theta whatever the anchor (w * r = pi_theta / pi_behav): the anchors differ
+only where a token's ratio leaves the trust region or its behaviour weight the cap.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import multiprocessing.connection
+import os
+import shutil
+import statistics
+import sys
+import time
+import traceback
+
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import learning  # noqa: E402 (the sweep's recipe, server and greedy evaluation)
+
+
+STALENESS = (8, 4, 2)  # the order jobs run in: the coarsest approximation first, as in the sweep
+SEEDS = (0, 1, 2)
+RECORDED_METHOD = "recompute"
+HELDOUT_PROBLEMS = 32
+HELDOUT_TOKENS = 32
+RESULTS = os.path.join(REPO, "benchmarks", "runs", "replay")
+
+
+def anchors() -> tuple[str, ...]:
+    from trl_a3po.replay import ANCHORS
+
+    return ANCHORS
+
+
+def stream_name(d: int, seed: int) -> str:
+    return f"d{d}-s{seed}"
+
+
+def all_jobs() -> list[str]:
+    jobs = []
+    for d in STALENESS:
+        for seed in SEEDS:
+            jobs += [f"record:{d}:{seed}", f"replay:{d}:{seed}"]
+        jobs.append(f"scale:{d}")
+    return jobs
+
+
+# ---------------------------------------------------------------------------------------------- record
+
+
+def record(d: int, seed: int, args, base_model: str) -> None:
+    results = os.path.join(args.out, "streams", stream_name(d, seed))
+    recording = os.path.join(results, "recording")
+    shutil.rmtree(recording, ignore_errors=True)  # an interrupted recording starts over
+    flags = learning.sweep_flags(RECORDED_METHOD, d, args, args.learning_rate)
+    flags += ["--record_generation_batches", recording]
+    result = learning.run_recipe(flags, RECORDED_METHOD, seed, args, base_model, results, serve=True)
+    result.update(max_staleness=d, learning_rate=args.learning_rate)
+    learning.write_result(results, result)
+
+
+# ---------------------------------------------------------------------------------------------- held-out set
+
+
+def heldout_set(args, base_model: str) -> str:
+    """The teacher-forced sequences the KL is measured on, made once (committed, so every session uses the same)."""
+    path = os.path.join(args.out, "heldout.pt")
+    if os.path.exists(path):
+        return path
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from trl_a3po import load_gsm8k
+
+    tokenizer = AutoTokenizer.from_pretrained(base_model)
+    model = AutoModelForCausalLM.from_pretrained(base_model, dtype=torch.float32)
+    problems = load_gsm8k(args.dataset, "test", HELDOUT_PROBLEMS, None, True)
+    rows, targets = [], []
+    torch.manual_seed(0)
+    for prompt in problems["prompt"]:
+        prompt_ids = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, return_dict=False)
+        with torch.no_grad():
+            out = model.generate(
+                torch.tensor([prompt_ids]),
+                do_sample=True,
+                temperature=1.0,
+                top_p=1.0,
+                top_k=0,
+                max_new_tokens=HELDOUT_TOKENS,
+                pad_token_id=tokenizer.eos_token_id,
+            )
+        completion = out[0, len(prompt_ids) :].tolist()
+        rows.append(prompt_ids + completion)
+        # the positions whose next-token distribution is compared: those that predict a completion token
+        targets.append(list(range(len(prompt_ids) - 1, len(prompt_ids) - 1 + len(completion))))
+    width = max(len(row) for row in rows)
+    input_ids = torch.full((len(rows), width), tokenizer.eos_token_id, dtype=torch.long)
+    attention_mask = torch.zeros_like(input_ids)
+    target_mask = torch.zeros_like(input_ids, dtype=torch.bool)
+    for i, (row, positions) in enumerate(zip(rows, targets)):  # right-padded: every real token at its own position
+        input_ids[i, : len(row)] = torch.tensor(row)
+        attention_mask[i, : len(row)] = 1
+        target_mask[i, positions] = True
+    os.makedirs(args.out, exist_ok=True)
+    torch.save({"input_ids": input_ids, "attention_mask": attention_mask, "target_mask": target_mask}, path)
+    return path
+
+
+def heldout_logprobs(model, heldout: dict, temperature: float, rows_at_once: int = 4):
+    """(positions, vocabulary) next-token log-probs at the held-out set's target positions, float32."""
+    import torch
+
+    parts = []
+    with torch.no_grad():
+        for start in range(0, heldout["input_ids"].size(0), rows_at_once):
+            rows = slice(start, start + rows_at_once)
+            logits = model(input_ids=heldout["input_ids"][rows], attention_mask=heldout["attention_mask"][rows]).logits
+            parts.append(torch.log_softmax(logits[heldout["target_mask"][rows]].float() / temperature, dim=-1))
+    return torch.cat(parts)
+
+
+# ---------------------------------------------------------------------------------------------- lockstep
+
+
+def learner_main(spec: dict, conn) -> None:
+    """One learner's process: a ReplayTrainer that reports after every optimizer step and waits for the go-ahead."""
+    try:
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+
+        from trl_a3po import load_gsm8k
+        from trl_a3po.replay import ReplayTrainer, replay_config
+
+        torch.set_num_threads(spec["threads"])
+        heldout = torch.load(spec["heldout"], weights_only=True)
+
+        class Lockstep(TrainerCallback):
+            def on_train_begin(self, args, state, control, model=None, **kwargs):
+                self.previous = torch.cat([p.detach().flatten().float() for p in model.parameters()])
+
+            def on_step_end(self, args, state, control, model=None, **kwargs):
+                current = torch.cat([p.detach().flatten().float() for p in model.parameters()])
+                update = current - self.previous
+                self.previous = current
+                logp = heldout_logprobs(model, heldout, trainer.temperature)
+                conn.send(("step", state.global_step, update.share_memory_(), logp.share_memory_()))
+                if conn.recv() != "go":
+                    raise RuntimeError("the study stopped this learner")
+
+        tokenizer = AutoTokenizer.from_pretrained(spec["base_model"])
+        if tokenizer.pad_token is None:
+            tokenizer.pad_token = tokenizer.eos_token
+        model = AutoModelForCausalLM.from_pretrained(spec["base_model"], dtype=torch.float32)
+        dataset = load_gsm8k(spec["dataset"], "train", None, None, True)  # the recipe's training set
+        args = replay_config(
+            spec["recording"],
+            spec["anchor"],
+            spec["out"],
+            logging_steps=1,
+            save_strategy="no",
+            report_to="none",
+            disable_tqdm=True,
+        )
+        trainer = ReplayTrainer(
+            model,
+            args=args,
+            train_dataset=dataset,
+            processing_class=tokenizer,
+            recording=spec["recording"],
+            anchor=spec["anchor"],
+            callbacks=[Lockstep()],
+        )
+        trainer.train()
+        trainer.save_model(os.path.join(spec["out"], "model"))
+        trainer.save_state()
+        conn.send(("done",))
+    except BaseException:
+        conn.send(("error", traceback.format_exc()))
+        raise
+
+
+def receive(conn, process, label: str):
+    """The learner's next message, or an error naming it if its process ends without one."""
+    multiprocessing.connection.wait([conn, process.sentinel])
+    if conn.poll():
+        message = conn.recv()
+        if message[0] == "error":
+            raise RuntimeError(f"learner {label} failed:\n{message[1]}")
+        return message
+    raise RuntimeError(f"learner {label} exited (code {process.exitcode}) without a word; see its train.log")
+
+
+def lockstep(learners: dict[str, dict], steps_path: str, reference: str) -> None:
+    """Run `learners` (label -> spec) in lockstep; after each optimizer step write one line to `steps_path`: the KL
+    between every two learners both ways (`kl[a][b]` = KL(a || b), nats per held-out token), the cosine between
+    their updates, and each update's norm."""
+    import torch
+    import torch.multiprocessing as mp
+
+    context = mp.get_context("spawn")
+    processes, connections = {}, {}
+    for label, spec in learners.items():
+        os.makedirs(spec["out"], exist_ok=True)
+        parent, child = context.Pipe()
+        process = context.Process(target=learner_main, args=(spec, child), name=f"replay-{label}", daemon=True)
+        process.start()
+        processes[label], connections[label] = process, parent
+    labels = list(learners)
+    try:
+        with open(steps_path, "w") as steps:
+            while True:
+                messages = {label: receive(connections[label], processes[label], label) for label in labels}
+                kinds = {message[0] for message in messages.values()}
+                if kinds == {"done"}:
+                    break
+                if kinds != {"step"} or len({message[1] for message in messages.values()}) != 1:
+                    raise RuntimeError(f"learners out of step: { {k: m[:2] for k, m in messages.items()} }")
+                step = messages[labels[0]][1]
+                updates = {label: message[2] for label, message in messages.items()}
+                logps = {label: message[3] for label, message in messages.items()}
+                norms = {label: updates[label].norm().item() for label in labels}
+                row = {"step": step, "reference": reference, "kl": {}, "cosine": {}, "update_norm": norms}
+                for a in labels:
+                    probs = logps[a].exp()
+                    row["kl"][a] = {b: (probs * (logps[a] - logps[b])).sum(-1).mean().item() for b in labels if b != a}
+                    row["cosine"][a] = {
+                        b: (torch.dot(updates[a], updates[b]) / max(norms[a] * norms[b], 1e-30)).item()
+                        for b in labels
+                        if b != a
+                    }
+                steps.write(json.dumps(row) + "\n")
+                steps.flush()
+                print(
+                    f"  step {step}: KL to {reference} "
+                    + ", ".join(f"{b} {row['kl'][reference][b]:.2e}" for b in labels if b != reference),
+                    flush=True,
+                )
+                del updates, logps, messages
+                for label in labels:
+                    connections[label].send("go")
+    finally:
+        for label, process in processes.items():  # (after an error: a learner waiting for "go" gets "stop")
+            if process.is_alive():
+                try:
+                    connections[label].send("stop")
+                except OSError:
+                    pass
+                process.join(timeout=60)
+            if process.is_alive():
+                process.kill()
+                process.join()
+
+
+def learner_spec(args, base_model: str, recording: str, anchor: str, out: str, threads: int) -> dict:
+    return {
+        "base_model": base_model,
+        "dataset": args.dataset,
+        "recording": recording,
+        "anchor": anchor,
+        "out": out,
+        "heldout": heldout_set(args, base_model),
+        "threads": threads,
+    }
+
+
+def add_comparisons(state_path: str, steps_path: str, label: str) -> None:
+    """Each optimizer step's KL to the reference learner (both ways) and update cosine, into the learner's log as
+    `replay/kl_reference_learner`, `replay/kl_learner_reference`, `replay/update_cosine` (`trl_a3po.plot` draws
+    the first)."""
+    with open(steps_path) as f:
+        rows = {row["step"]: row for row in map(json.loads, f)}
+    with open(state_path) as f:
+        state = json.load(f)
+    for entry in state["log_history"]:
+        row = rows.get(entry.get("step"))
+        if row is None or "loss" not in entry or label == row["reference"]:
+            continue
+        reference = row["reference"]
+        entry["replay/kl_reference_learner"] = row["kl"][reference][label]
+        entry["replay/kl_learner_reference"] = row["kl"][label][reference]
+        entry["replay/update_cosine"] = row["cosine"][label][reference]
+    with open(state_path, "w") as f:
+        json.dump(state, f, indent=1)
+
+
+def keep_learner_results(out: str, results: str, label: str, steps_path: str) -> None:
+    os.makedirs(results, exist_ok=True)
+    shutil.copy(os.path.join(out, "trainer_state.json"), results)
+    add_comparisons(os.path.join(results, "trainer_state.json"), steps_path, label)
+
+
+def replay(d: int, seed: int, args, base_model: str) -> None:
+    name = stream_name(d, seed)
+    recording = os.path.join(args.out, "streams", name, "recording")
+    if not os.path.exists(os.path.join(args.out, "streams", name, "result.json")):
+        raise RuntimeError(f"replay:{d}:{seed} needs the stream: run record:{d}:{seed} first")
+    results = os.path.join(args.out, "replays", name)
+    work = os.path.join(REPO, "outputs", "replay", name)
+    shutil.rmtree(work, ignore_errors=True)
+    os.makedirs(results, exist_ok=True)
+    learners = {
+        anchor: learner_spec(args, base_model, recording, anchor, os.path.join(work, anchor), args.threads)
+        for anchor in anchors()
+    }
+    steps_path = os.path.join(results, "steps.jsonl")
+    start = time.perf_counter()
+    print(f"[{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}] replay {name}: {', '.join(learners)}", flush=True)
+    lockstep(learners, steps_path, reference=RECORDED_METHOD)
+    replay_s = time.perf_counter() - start
+    summary = {"stream": name, "max_staleness": d, "seed": seed, "replay_s": round(replay_s, 1), "learners": {}}
+    before = learning.base_accuracy(args, base_model)
+    for anchor, spec in learners.items():
+        keep_learner_results(spec["out"], os.path.join(results, anchor), anchor, steps_path)
+        after = learning.greedy_accuracy(
+            os.path.join(spec["out"], "model"),
+            args.dataset,
+            args.eval_limit,
+            args.port + 1,
+            os.path.join(spec["out"], "vllm-eval"),
+        )
+        with open(os.path.join(results, anchor, "greedy_eval.json"), "w") as f:
+            json.dump([{"step": 0, **before}, {"step": args.steps, **after}], f, indent=1)
+        summary["learners"][anchor] = learner_summary(os.path.join(results, anchor, "trainer_state.json"), after)
+    with open(os.path.join(results, "result.json"), "w") as f:  # written last: marks the job finished
+        json.dump(summary, f, indent=1)
+
+
+def learner_summary(state_path: str, after: dict) -> dict:
+    with open(state_path) as f:
+        logs = [h for h in json.load(f)["log_history"] if "loss" in h]
+
+    def mean(key):
+        values = [h[key] for h in logs if key in h]
+        return statistics.mean(values) if values else None
+
+    return {
+        "greedy_after": after["accuracy"],
+        "kl_reference_learner": mean("replay/kl_reference_learner"),
+        "kl_learner_reference": mean("replay/kl_learner_reference"),
+        "update_cosine": mean("replay/update_cosine"),
+        "clip_frac": mean("clip_ratio/region_mean"),
+        "behav_weight_mean": mean("a3po/behav_imp_weight/mean"),
+        "capped_frac": mean("a3po/capped_frac"),
+        "steps": len(logs),
+    }
+
+
+def scale(d: int, args, base_model: str) -> None:
+    missing = [
+        s for s in SEEDS if not os.path.exists(os.path.join(args.out, "streams", stream_name(d, s), "result.json"))
+    ]
+    if missing:
+        raise RuntimeError(f"scale:{d} needs the streams of seeds {missing}: run their record jobs first")
+    results = os.path.join(args.out, "scale", f"d{d}")
+    work = os.path.join(REPO, "outputs", "replay", f"scale-d{d}")
+    shutil.rmtree(work, ignore_errors=True)
+    os.makedirs(results, exist_ok=True)
+    learners = {
+        f"s{s}": learner_spec(
+            args,
+            base_model,
+            os.path.join(args.out, "streams", stream_name(d, s), "recording"),
+            RECORDED_METHOD,
+            os.path.join(work, f"s{s}"),
+            args.threads,
+        )
+        for s in SEEDS
+    }
+    start = time.perf_counter()
+    print(f"[{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}] scale d{d}: {', '.join(learners)}", flush=True)
+    steps_path = os.path.join(results, "steps.jsonl")
+    lockstep(learners, steps_path, reference=f"s{SEEDS[0]}")
+    for label, spec in learners.items():
+        keep_learner_results(spec["out"], os.path.join(results, label), label, steps_path)
+    with open(steps_path) as f:
+        rows = [json.loads(line) for line in f]
+    pairs = [(a, b) for a in learners for b in learners if a < b]
+    summary = {
+        "max_staleness": d,
+        "replay_s": round(time.perf_counter() - start, 1),
+        "kl_mean": {f"{a}|{b}": statistics.mean(row["kl"][a][b] for row in rows) for a, b in pairs},
+        "kl_mean_reverse": {f"{a}|{b}": statistics.mean(row["kl"][b][a] for row in rows) for a, b in pairs},
+    }
+    with open(os.path.join(results, "result.json"), "w") as f:
+        json.dump(summary, f, indent=1)
+
+
+# ---------------------------------------------------------------------------------------------- report
+
+
+def load(path: str) -> dict | None:
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        return json.load(f)
+
+
+def report(args) -> None:
+    print("Replay study: greedy accuracy on the 200 held-out problems after 30 steps (mean +- std over streams),")
+    print("and per-step KL to the recompute learner on the held-out set (nats/token, mean over steps and streams)")
+    header = f"{'d':>2} {'anchor':<10} {'streams':>7}  {'greedy after':<16} {'KL(rec||x)':>10} {'KL(x||rec)':>10}"
+    print(header + f" {'cos(upd)':>8} {'clipped':>8} {'capped':>8}")
+    figure_runs, figure_labels = [], []
+    for d in STALENESS:
+        replays = [load(os.path.join(args.out, "replays", stream_name(d, s), "result.json")) for s in SEEDS]
+        replays = [r for r in replays if r]
+        if not replays:
+            continue
+        for anchor in anchors():
+            rows = [r["learners"][anchor] for r in replays]
+            greedy = [row["greedy_after"] for row in rows]
+            spread = (
+                f"{statistics.mean(greedy):.3f} +- {statistics.stdev(greedy):.3f}"
+                if len(greedy) > 1
+                else (f"{greedy[0]:.3f}")
+            )
+
+            def average(key):
+                values = [row[key] for row in rows if row[key] is not None]
+                return statistics.mean(values) if values else math.nan
+
+            print(
+                f"{d:>2} {anchor:<10} {len(rows):>7}  {spread:<16} {average('kl_reference_learner'):>10.2e} "
+                f"{average('kl_learner_reference'):>10.2e} {average('update_cosine'):>8.4f} "
+                f"{average('clip_frac'):>8.4f} {average('capped_frac'):>8.4f}"
+            )
+            for s in SEEDS:
+                run = os.path.join(args.out, "replays", stream_name(d, s), anchor)
+                if anchor != RECORDED_METHOD and os.path.exists(os.path.join(run, "trainer_state.json")):
+                    figure_runs.append(run)
+                    figure_labels.append(f"d={d} {anchor}")
+        for anchor in anchors():
+            if anchor == RECORDED_METHOD:
+                continue
+            diffs = [
+                r["learners"][anchor]["greedy_after"] - r["learners"][RECORDED_METHOD]["greedy_after"] for r in replays
+            ]
+            print(f"   d={d} {anchor} - {RECORDED_METHOD}: {learning.paired_difference(diffs)}")
+        seed_scale = load(os.path.join(args.out, "scale", f"d{d}", "result.json"))
+        if seed_scale:
+            kl = statistics.mean(seed_scale["kl_mean"].values())
+            print(f"   d={d} seed to seed (closed-loop recompute runs, 3 pairs): KL {kl:.2e} nats/token per step")
+            for label in seed_scale["kl_mean"]:
+                run = os.path.join(args.out, "scale", f"d{d}", label.split("|")[1])
+                figure_runs.append(run)
+                figure_labels.append(f"d={d} seed to seed")
+        else:
+            print(f"   d={d} seed to seed: not measured yet (scale:{d})")
+    if figure_runs:
+        from trl_a3po.plot import plot_runs
+
+        written = plot_runs(figure_runs, args.figures, figure_labels)
+        print("figures:", ", ".join(os.path.relpath(p, REPO) for p in written))
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--only", nargs="+", metavar="JOB", help="these jobs only (record:8:0, replay:8:0, scale:8)")
+    parser.add_argument("--report", action="store_true", help="no training: the tables and figure of finished jobs")
+    parser.add_argument("--steps", type=int, default=30, help="optimizer steps per recording (the sweep's)")
+    parser.add_argument("--learning-rate", type=float, default=learning.LEARNING_RATE)
+    parser.add_argument("--eval-limit", type=int, default=200, help="held-out problems for greedy accuracy")
+    parser.add_argument("--dataset", default=os.path.join(REPO, "recipes", "data", "addition"))
+    parser.add_argument("--out", default=RESULTS, help="where finished jobs are kept (and looked for)")
+    parser.add_argument(
+        "--results",
+        default=os.path.join(REPO, "benchmarks", "runs", "sweep"),
+        help="where the base model's greedy accuracy is kept (the sweep's measurement, same model and problems)",
+    )
+    parser.add_argument("--figures", default=os.path.join(REPO, "benchmarks", "figures", "replay"))
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per learner process")
+    parser.add_argument("--port", type=int, default=8051, help="recording server; the evaluation server uses +1")
+    args = parser.parse_args()
+    jobs = all_jobs()
+    unknown = [job for job in args.only or [] if job not in jobs]
+    if unknown:
+        raise SystemExit(f"--only {' '.join(unknown)}: not a job of this study; jobs are " + " ".join(jobs))
+    if not args.report:
+        if not os.path.exists(learning.VLLM_PYTHON):
+            raise SystemExit(f"{learning.VLLM_PYTHON} not found: run `bash scripts/setup.sh --with-vllm` first")
+        from trl_a3po import resolve_model
+
+        base_model = resolve_model("smollm2-135m-instruct")
+        for job in args.only or jobs:
+            kind, *numbers = job.split(":")
+            done = {
+                "record": lambda d, s: os.path.join(args.out, "streams", stream_name(d, s), "result.json"),
+                "replay": lambda d, s: os.path.join(args.out, "replays", stream_name(d, s), "result.json"),
+                "scale": lambda d: os.path.join(args.out, "scale", f"d{d}", "result.json"),
+            }[kind](*map(int, numbers))
+            if os.path.exists(done):
+                print(f"{job}: finished, skipped", flush=True)
+                continue
+            {"record": record, "replay": replay, "scale": scale}[kind](*map(int, numbers), args, base_model)
+    report(args)
+
+
+if __name__ == "__main__":
+    main()
