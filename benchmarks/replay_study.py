@@ -377,9 +377,8 @@ def learner_summary(state_path: str, after: dict) -> dict:
 
 
 def scale(d: int, args, base_model: str) -> None:
-    missing = [
-        s for s in SEEDS if not os.path.exists(os.path.join(args.out, "streams", stream_name(d, s), "result.json"))
-    ]
+    streams = {s: os.path.join(args.out, "streams", stream_name(d, s)) for s in SEEDS}
+    missing = [s for s, stream in streams.items() if not os.path.exists(os.path.join(stream, "result.json"))]
     if missing:
         raise RuntimeError(f"scale:{d} needs the streams of seeds {missing}: run their record jobs first")
     results = os.path.join(args.out, "scale", f"d{d}")
@@ -390,7 +389,7 @@ def scale(d: int, args, base_model: str) -> None:
         f"s{s}": learner_spec(
             args,
             base_model,
-            os.path.join(args.out, "streams", stream_name(d, s), "recording"),
+            os.path.join(streams[s], "recording"),
             RECORDED_METHOD,
             os.path.join(work, f"s{s}"),
             args.threads,
