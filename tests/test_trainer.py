@@ -240,7 +240,7 @@ def test_metrics_mode_buckets_the_error_by_staleness(tmp_path, tokenizer, prompt
     prox = torch.tensor([[-1.1, -1.6], [-0.6, -1.5], [-2.5, -1.0], [-2.0, -2.0]])
     mask = torch.tensor([[1, 1], [1, 0], [1, 0], [1, 1]])
     metrics = collections.defaultdict(list)
-    trainer._log_prox_approximation_errors(metrics, staleness, mask, logp, behav, prox)
+    trainer._loss_metrics.prox_approximation_errors(metrics, staleness, mask, logp, behav, prox)
     # loglinear: d=2 -> (behav + logp) / 2; d=3 -> behav/3 + 2 logp/3; d=0 -> behav
     # d=2: sample 0: prox (-1.1, -1.6) vs (-1.2, -1.5): 0.1, 0.1; sample 2 (token 0): (-2.0) vs -2.5: 0.5
     assert metrics["a3po/prox_error/loglinear/abs/d2"] == [pytest.approx(0.7 / 3)]
