@@ -14,7 +14,7 @@ import math
 import random
 import threading
 
-from trl_a3po.rollout import register_backend
+from trl_a3po.rollout import RolloutBackend, register_backend
 
 
 # Generated tokens per second of the engine, by default: the A-3PO paper's setup 1 as issue 45 reconstructs it from
@@ -23,7 +23,7 @@ from trl_a3po.rollout import register_backend
 DEFAULT_RATE = 7_500.0
 
 
-class EmulatedEngine:
+class EmulatedEngine(RolloutBackend):
     serves_concurrent_requests = False
 
     def __init__(self, completion_tokens: int, vocab_size: int, eos_token_ids: list[int], rate: float):

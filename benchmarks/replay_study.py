@@ -11,10 +11,10 @@ recompute intervals came out 5-20x wider than the difference in question. Here t
                   (`--record_generation_batches`; `trl_a3po/recording.py` has the format). Kept, with the run's log
                   and greedy accuracy, in `benchmarks/runs/replay/streams/dD-sSEED/` (the recording is ~3 MB).
   replay:D:SEED   one learner per anchor (recompute, loglinear, linear, rollout: `trl_a3po.replay.ANCHORS`) trained
-                  on that stream by `ReplayTrainer`, from the base model, in lockstep: one process per learner (one
-                  thread each), stopped after every optimizer step while this process compares them: the KL between
-                  every two learners' next-token distributions on a fixed held-out set (both directions, nats per
-                  token) and the cosine between their updates (this step's change of all weights). Then each
+                  on that stream by `ReplayTrainer`, from the base model, in lockstep: one process per learner, one
+                  training at a time, each stopped after every optimizer step while this process compares them: the
+                  KL between every two learners' next-token distributions on a fixed held-out set (both directions,
+                  nats per token) and the cosine between their updates (this step's change of all weights). Then each
                   learner's greedy accuracy on the 200 held-out problems. `benchmarks/runs/replay/replays/dD-sSEED/`.
   scale:D         for scale, the same KL between closed-loop runs of one method with different seeds: the recompute
                   replays of the three streams at D, in lockstep (each reproduces its closed-loop recording run up to
@@ -168,6 +168,11 @@ def learner_main(spec: dict, conn) -> None:
         class Lockstep(TrainerCallback):
             def on_train_begin(self, args, state, control, model=None, **kwargs):
                 self.previous = torch.cat([p.detach().flatten().float() for p in model.parameters()])
+                self.wait_for_turn()
+
+            def wait_for_turn(self):
+                if conn.recv() != "go":
+                    raise RuntimeError("the study stopped this learner")
 
             def on_step_end(self, args, state, control, model=None, **kwargs):
                 current = torch.cat([p.detach().flatten().float() for p in model.parameters()])
@@ -175,8 +180,7 @@ def learner_main(spec: dict, conn) -> None:
                 self.previous = current
                 logp = heldout_logprobs(model, heldout, trainer.temperature)
                 conn.send(("step", state.global_step, update.share_memory_(), logp.share_memory_()))
-                if conn.recv() != "go":
-                    raise RuntimeError("the study stopped this learner")
+                self.wait_for_turn()
 
         tokenizer = AutoTokenizer.from_pretrained(spec["base_model"])
         if tokenizer.pad_token is None:
@@ -201,6 +205,7 @@ def learner_main(spec: dict, conn) -> None:
             anchor=spec["anchor"],
             callbacks=[Lockstep()],
         )
+        conn.send(("ready",))
         trainer.train()
         trainer.save_model(os.path.join(spec["out"], "model"))
         trainer.save_state()
@@ -238,9 +243,14 @@ def lockstep(learners: dict[str, dict], steps_path: str, reference: str) -> None
         processes[label], connections[label] = process, parent
     labels = list(learners)
     try:
+        for label in labels:  # loaded (in parallel), waiting for their first turn
+            receive(connections[label], processes[label], label)
         with open(steps_path, "w") as steps:
             while True:
-                messages = {label: receive(connections[label], processes[label], label) for label in labels}
+                messages = {}
+                for label in labels:  # one learner trains at a time: four at once exhausted 24 GB at their peaks
+                    connections[label].send("go")
+                    messages[label] = receive(connections[label], processes[label], label)
                 kinds = {message[0] for message in messages.values()}
                 if kinds == {"done"}:
                     break
@@ -267,8 +277,6 @@ def lockstep(learners: dict[str, dict], steps_path: str, reference: str) -> None
                     flush=True,
                 )
                 del updates, logps, messages
-                for label in labels:
-                    connections[label].send("go")
     finally:
         for label, process in processes.items():  # (after an error: a learner waiting for "go" gets "stop")
             if process.is_alive():
@@ -498,7 +506,9 @@ def main():
         help="where the base model's greedy accuracy is kept (the sweep's measurement, same model and problems)",
     )
     parser.add_argument("--figures", default=os.path.join(REPO, "benchmarks", "figures", "replay"))
-    parser.add_argument("--threads", type=int, default=1, help="torch threads per learner process")
+    parser.add_argument(
+        "--threads", type=int, default=os.cpu_count() or 1, help="torch threads per learner (one trains at a time)"
+    )
     parser.add_argument("--port", type=int, default=8051, help="recording server; the evaluation server uses +1")
     args = parser.parse_args()
     jobs = all_jobs()

@@ -25,7 +25,7 @@ from testing_utils import (
 from transformers import TrainerCallback
 
 from trl_a3po import A3POConfig, A3POTrainer
-from trl_a3po.rollout import GenerationQueue, InProcessBackend, ProducerError
+from trl_a3po.rollout import GenerationQueue, InProcessBackend, ProducerError, RolloutBackend
 from trl_a3po.rollout.policy_weights import policy_tensors
 from trl_a3po.rollout.vllm_server import VLLMServerUnreachable
 
@@ -651,7 +651,7 @@ def test_a_cooled_sampler_keeps_every_token_on_its_recorded_version(tmp_path, to
         check_behaviour_logprobs_against_versions(trainer, versions, samples, atol=1e-3, temperature=1.0)
 
 
-class SamplingLoop:
+class SamplingLoop(RolloutBackend):
     """A backend written here and nowhere else: a private copy of the policy, sampled one token at a time without a
     cache, each token's behaviour log-prob read from the distribution it was drawn from (softmax at the config's
     temperature). No `generate_until`: its registry row says it has no in-flight updates or continuous generation."""

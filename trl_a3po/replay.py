@@ -65,6 +65,7 @@ def replay_config(recording: str, anchor: str, output_dir: str, **overrides) -> 
     values = {key: value for key, value in recorded.items() if key in init_fields}
     values.update(
         generation_batch_size=None,  # GRPOConfig derived it from steps_per_generation, and refuses both
+        reward_weights=None,  # a replay computes no rewards (the recorded weights are in the manifest)
         output_dir=output_dir,
         prox_logp_method="recompute" if anchor == "recompute" else "loglinear",
         record_generation_batches=None,

@@ -1,6 +1,6 @@
 """The generation side: knows token ids, log-probs and policy versions, nothing of losses."""
 
-from .backend import BackendContext, register_backend
+from .backend import BackendContext, RolloutBackend, register_backend
 from .continuous import ContinuousGenerationQueue
 from .errors import ProducerError
 from .inprocess import InProcessBackend, build_whole_snapshot, generate_with_behavior_logprobs
@@ -8,7 +8,6 @@ from .queue import (
     GeneratedBatch,
     GenerationQueue,
     GenerationResult,
-    RolloutBackend,
     StalenessBound,
 )
 

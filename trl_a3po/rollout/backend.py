@@ -1,6 +1,6 @@
 """The generators the producer can drive, by name: one registry that config validation and the trainer side read.
 
-A backend is an object that does what `queue.RolloutBackend` declares (stage / load a version, generate, close). A
+A backend is a class that declares `RolloutBackend` (stage / load a version, generate, close). A
 registry row (`BackendEntry`) says how to build one from a `BackendContext`, and what it can do, as data: whether the
 main process generates for every process (a server: one owner of its weights) or each process generates its own
 share, and whether it honours in-flight weight updates and continuous generation (both need `generate_until`
@@ -10,9 +10,38 @@ A new backend is one `register_backend` call (a benchmark's emulated engine, a u
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
+
+
+class RolloutBackend(Protocol):
+    """What the producer drives. `stage` runs on the trainer's main thread (a private copy of the weights in the
+    form the generator wants: device, dtype); `load` and `generate` run in the producer thread."""
+
+    def stage(self, named_tensors: Mapping[str, object] | Iterable[tuple[str, object]]) -> object: ...
+
+    def load(self, staged: object) -> float:  # returns the seconds it took
+        ...
+
+    def generate(
+        self, prompt_ids: list[list[int]], stop: threading.Event
+    ) -> tuple[list[list[int]], list[list[float]]]: ...
+
+    # In-flight updates and continuous generation: stop once `interrupt()` says so (between two tokens); row r's
+    # prompt ends with `generated[r]` tokens sampled before. Returns ids, log-probs, per row whether unfinished.
+    def generate_until(
+        self, prompt_ids: list[list[int]], stop: threading.Event, interrupt, generated: list[int]
+    ) -> tuple[list[list[int]], list[list[float]], list[bool]]:
+        raise NotImplementedError(
+            f"{type(self).__name__} does not stop between two tokens: its registry entry must say "
+            "inflight_updates=False, continuous_generation=False (config then refuses both)"
+        )
+
+    serves_concurrent_requests: bool  # several `generate_until` calls at once (a server), or one at a time
+
+    def close(self) -> None: ...
 
 
 @dataclass(frozen=True)

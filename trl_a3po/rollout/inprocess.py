@@ -24,6 +24,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from trl.trainer.utils import pad
 
+from .backend import RolloutBackend
 from .staging import NamedTensors, StagedWeights, as_pairs, stage_copy, wait_until_staged
 
 
@@ -242,7 +243,7 @@ def _rescore(
     return torch.stack(steps, dim=1) if steps else logits.new_zeros(sequences.size(0), 0)
 
 
-class InProcessBackend:
+class InProcessBackend(RolloutBackend):
     """Generates on a private snapshot of the policy, in the producer thread (CPU, or the trainer's one GPU).
 
     The snapshot is a plain model built from the policy's config (never a deep copy of the trainer's model, whose

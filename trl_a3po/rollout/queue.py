@@ -29,8 +29,8 @@ import time
 import warnings
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Protocol
 
+from .backend import RolloutBackend
 from .errors import EpisodesStopped, as_raised_in_train
 
 
@@ -47,30 +47,6 @@ class StalenessBound:
     def last_submittable(self, version: int) -> int:
         """The highest batch index a producer may work on while the trainer holds `version`."""
         return version + self.max_staleness
-
-
-class RolloutBackend(Protocol):
-    """What the producer drives. `stage` runs on the trainer's main thread (a private copy of the weights in the
-    form the generator wants: device, dtype); `load` and `generate` run in the producer thread."""
-
-    def stage(self, named_tensors: Mapping[str, object] | Iterable[tuple[str, object]]) -> object: ...
-
-    def load(self, staged: object) -> float:  # returns the seconds it took
-        ...
-
-    def generate(
-        self, prompt_ids: list[list[int]], stop: threading.Event
-    ) -> tuple[list[list[int]], list[list[float]]]: ...
-
-    # In-flight updates and continuous generation: stop once `interrupt()` says so (between two tokens); row r's
-    # prompt ends with `generated[r]` tokens sampled before. Returns ids, log-probs, per row whether unfinished.
-    def generate_until(
-        self, prompt_ids: list[list[int]], stop: threading.Event, interrupt, generated: list[int]
-    ) -> tuple[list[list[int]], list[list[float]], list[bool]]: ...
-
-    serves_concurrent_requests: bool  # several `generate_until` calls at once (a server), or one at a time
-
-    def close(self) -> None: ...
 
 
 @dataclass

@@ -17,6 +17,7 @@ import time
 
 import torch
 
+from .backend import RolloutBackend
 from .staging import NamedTensors, StagedWeights, as_pairs, stage_copy, wait_until_staged
 
 
@@ -24,7 +25,7 @@ class VLLMColocateError(RuntimeError):
     """The colocated engine ended a request abnormally; nothing of it is trained."""
 
 
-class VLLMColocateBackend:
+class VLLMColocateBackend(RolloutBackend):
     """A colocated vLLM engine as the producer's generator (see the module's docstring)."""
 
     serves_concurrent_requests = False  # (continuous generation is refused for this backend)

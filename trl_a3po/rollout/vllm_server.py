@@ -31,6 +31,7 @@ from urllib.parse import urlparse
 import requests
 import torch
 
+from .backend import RolloutBackend
 from .staging import NamedTensors, StagedWeights, as_pairs, stage_copy, wait_until_staged
 
 
@@ -129,7 +130,7 @@ def adapter_unservable_reason(peft_configs: dict) -> str | None:
     return None
 
 
-class VLLMServerBackend:
+class VLLMServerBackend(RolloutBackend):
     """Completions from a vLLM server for the producer; `load` pushes a published version's weights to the server.
 
     Start-up: `/health`, then a probe of what the transport needs (dev-mode routes, processed log-probs, the
