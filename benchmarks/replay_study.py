@@ -33,6 +33,7 @@ only where a token's ratio leaves the trust region or its behaviour weight the c
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import math
 import multiprocessing.connection
@@ -163,6 +164,7 @@ def learner_main(spec: dict, conn) -> None:
         from trl_a3po.replay import ReplayTrainer, replay_config
 
         torch.set_num_threads(spec["threads"])
+        libc = ctypes.CDLL("libc.so.6")
         heldout = torch.load(spec["heldout"], weights_only=True)
 
         class Lockstep(TrainerCallback):
@@ -171,6 +173,9 @@ def learner_main(spec: dict, conn) -> None:
                 self.wait_for_turn()
 
             def wait_for_turn(self):
+                # Four learners stay resident; each would keep its peak (the step's freed activations) as glibc
+                # holds freed memory for reuse: hand it back to the system while waiting.
+                libc.malloc_trim(0)
                 if conn.recv() != "go":
                     raise RuntimeError("the study stopped this learner")
 
@@ -264,8 +269,10 @@ def lockstep(learners: dict[str, dict], steps_path: str, reference: str) -> None
                 for a in labels:
                     probs = logps[a].exp()
                     row["kl"][a] = {b: (probs * (logps[a] - logps[b])).sum(-1).mean().item() for b in labels if b != a}
-                    row["cosine"][a] = {
-                        b: (torch.dot(updates[a], updates[b]) / max(norms[a] * norms[b], 1e-30)).item()
+                    row["cosine"][a] = {  # None where a learner did not move (a batch whose advantages are all 0)
+                        b: (torch.dot(updates[a], updates[b]) / (norms[a] * norms[b])).item()
+                        if norms[a] * norms[b] > 0
+                        else None
                         for b in labels
                         if b != a
                     }
@@ -317,7 +324,8 @@ def add_comparisons(state_path: str, steps_path: str, label: str) -> None:
         reference = row["reference"]
         entry["replay/kl_reference_learner"] = row["kl"][reference][label]
         entry["replay/kl_learner_reference"] = row["kl"][label][reference]
-        entry["replay/update_cosine"] = row["cosine"][label][reference]
+        if row["cosine"][label][reference] is not None:
+            entry["replay/update_cosine"] = row["cosine"][label][reference]
     with open(state_path, "w") as f:
         json.dump(state, f, indent=1)
 
@@ -434,7 +442,10 @@ def load(path: str) -> dict | None:
 
 
 def report(args) -> None:
-    print("Replay study: greedy accuracy on the 200 held-out problems after 30 steps (mean +- std over streams),")
+    print(
+        f"Replay study: greedy accuracy on the {args.eval_limit} held-out problems after {args.steps} steps (mean +- "
+        "std over streams),"
+    )
     print("and per-step KL to the recompute learner on the held-out set (nats/token, mean over steps and streams)")
     header = f"{'d':>2} {'anchor':<10} {'streams':>7}  {'greedy after':<16} {'KL(rec||x)':>10} {'KL(x||rec)':>10}"
     print(header + f" {'cos(upd)':>8} {'clipped':>8} {'capped':>8}")
