@@ -1,7 +1,7 @@
 """The replay study (issue 46): the same generated data trained through each proximal anchor; resumable.
 
     python benchmarks/replay_study.py                          # every job not finished yet, then the report
-    python benchmarks/replay_study.py --only record:8:0 replay:8:0 scale:8
+    python benchmarks/replay_study.py --only record:8:0 replay:8:0:loglinear scale:8
     python benchmarks/replay_study.py --report                 # tables and figure from the finished jobs only
 
 Why: in the closed-loop sweep (benchmarks/learning.py) each run samples its own data, and the paired loglinear -
@@ -10,16 +10,20 @@ recompute intervals came out 5-20x wider than the difference in question. Here t
                   prox_logp_method=recompute at max_staleness D, recording every generation batch it trains on
                   (`--record_generation_batches`; `trl_a3po/recording.py` has the format). Kept, with the run's log
                   and greedy accuracy, in `benchmarks/runs/replay/streams/dD-sSEED/` (the recording is ~3 MB).
-  replay:D:SEED   one learner per anchor (recompute, loglinear, linear, rollout: `trl_a3po.replay.ANCHORS`) trained
-                  on that stream by `ReplayTrainer`, from the base model, in lockstep: one process per learner, one
-                  training at a time, each stopped after every optimizer step while this process compares them: the
-                  KL between every two learners' next-token distributions on a fixed held-out set (both directions,
-                  nats per token) and the cosine between their updates (this step's change of all weights). Then each
-                  learner's greedy accuracy on the 200 held-out problems. `benchmarks/runs/replay/replays/dD-sSEED/`.
+  replay:D:SEED:ANCHOR
+                  two learners trained on that stream by `ReplayTrainer`, from the base model: recompute's and
+                  ANCHOR's (loglinear, rollout, linear: `trl_a3po.replay.ANCHORS`), in lockstep: one process per
+                  learner, one training at a time, each stopped after every optimizer step while this process
+                  compares them: the KL between their next-token distributions on a fixed held-out set (both
+                  directions, nats per token) and the cosine between their updates (this step's change of all
+                  weights). Then both learners' greedy accuracy on the 200 held-out problems. Two learners per job, so
+                  that a job fits one session (~1 h; four at once took ~2.3 h). The recompute learner is replayed in
+                  every job (the same on one machine; compared only within its job).
+                  `benchmarks/runs/replay/replays/dD-sSEED/ANCHOR/`.
   scale:D         for scale, the same KL between closed-loop runs of one method with different seeds: the recompute
-                  replays of the three streams at D, in lockstep (each reproduces its closed-loop recording run up to
-                  float rounding: a replay of the recorded anchor is that run, bit for bit, when its thread count
-                  matches; tests/test_replay.py). `benchmarks/runs/replay/scale/dD/`.
+                  replays of the streams of seeds 0 and 1 at D, in lockstep (each reproduces its closed-loop recording
+                  run up to float rounding: a replay of the recorded anchor is that run, bit for bit, when its thread
+                  count matches; tests/test_replay.py). `benchmarks/runs/replay/scale/dD/`.
 The held-out set for the KL: the first 32 held-out problems, each with one completion the base model sampled once
 (32 tokens, temperature 1, seed 0; `heldout.pt`), teacher-forced: KL over the next-token distribution at each of
 its tokens.
@@ -53,6 +57,7 @@ import learning  # noqa: E402 (the sweep's recipe, server and greedy evaluation)
 STALENESS = (8, 4, 2)  # the order jobs run in: the coarsest approximation first, as in the sweep
 SEEDS = (0, 1, 2)
 RECORDED_METHOD = "recompute"
+SCALE_SEEDS = (0, 1)  # the seed-to-seed KL: two closed-loop runs (their recompute replays)
 HELDOUT_PROBLEMS = 32
 HELDOUT_TOKENS = 32
 RESULTS = os.path.join(REPO, "benchmarks", "runs", "replay")
@@ -69,11 +74,15 @@ def stream_name(d: int, seed: int) -> str:
 
 
 def all_jobs() -> list[str]:
+    """Staleness-major from the largest; within one: the streams, the two comparisons the study is for (loglinear,
+    rollout), the seed-to-seed scale, then linear. Each job fits one working session of this machine (about an hour;
+    a recording up to ~1.5 h on a slow one): nothing of a job survives the machine, only finished jobs' results."""
     jobs = []
     for d in STALENESS:
-        for seed in SEEDS:
-            jobs += [f"record:{d}:{seed}", f"replay:{d}:{seed}"]
+        jobs += [f"record:{d}:{seed}" for seed in SEEDS]
+        jobs += [f"replay:{d}:{seed}:{anchor}" for anchor in ("loglinear", "rollout") for seed in SEEDS]
         jobs.append(f"scale:{d}")
+        jobs += [f"replay:{d}:{seed}:linear" for seed in SEEDS]
     return jobs
 
 
@@ -336,18 +345,19 @@ def keep_learner_results(out: str, results: str, label: str, steps_path: str) ->
     add_comparisons(os.path.join(results, "trainer_state.json"), steps_path, label)
 
 
-def replay(d: int, seed: int, args, base_model: str) -> None:
+def replay(d: int, seed: int, anchor: str, args, base_model: str) -> None:
+    """The recompute learner and `anchor`'s on one stream, in lockstep (two learners: a job fits a session)."""
     name = stream_name(d, seed)
     recording = os.path.join(args.out, "streams", name, "recording")
     if not os.path.exists(os.path.join(args.out, "streams", name, "result.json")):
-        raise RuntimeError(f"replay:{d}:{seed} needs the stream: run record:{d}:{seed} first")
-    results = os.path.join(args.out, "replays", name)
-    work = os.path.join(REPO, "outputs", "replay", name)
+        raise RuntimeError(f"replay:{d}:{seed}:{anchor} needs the stream: run record:{d}:{seed} first")
+    results = os.path.join(args.out, "replays", name, anchor)
+    work = os.path.join(REPO, "outputs", "replay", name, anchor)
     shutil.rmtree(work, ignore_errors=True)
     os.makedirs(results, exist_ok=True)
     learners = {
-        anchor: learner_spec(args, base_model, recording, anchor, os.path.join(work, anchor), args.threads)
-        for anchor in anchors()
+        label: learner_spec(args, base_model, recording, label, os.path.join(work, label), args.threads)
+        for label in (RECORDED_METHOD, anchor)
     }
     steps_path = os.path.join(results, "steps.jsonl")
     start = time.perf_counter()
@@ -356,8 +366,8 @@ def replay(d: int, seed: int, args, base_model: str) -> None:
     replay_s = time.perf_counter() - start
     summary = {"stream": name, "max_staleness": d, "seed": seed, "replay_s": round(replay_s, 1), "learners": {}}
     before = learning.base_accuracy(args, base_model)
-    for anchor, spec in learners.items():
-        keep_learner_results(spec["out"], os.path.join(results, anchor), anchor, steps_path)
+    for label, spec in learners.items():
+        keep_learner_results(spec["out"], os.path.join(results, label), label, steps_path)
         after = learning.greedy_accuracy(
             os.path.join(spec["out"], "model"),
             args.dataset,
@@ -365,9 +375,9 @@ def replay(d: int, seed: int, args, base_model: str) -> None:
             args.port + 1,
             os.path.join(spec["out"], "vllm-eval"),
         )
-        with open(os.path.join(results, anchor, "greedy_eval.json"), "w") as f:
+        with open(os.path.join(results, label, "greedy_eval.json"), "w") as f:
             json.dump([{"step": 0, **before}, {"step": args.steps, **after}], f, indent=1)
-        summary["learners"][anchor] = learner_summary(os.path.join(results, anchor, "trainer_state.json"), after)
+        summary["learners"][label] = learner_summary(os.path.join(results, label, "trainer_state.json"), after)
     with open(os.path.join(results, "result.json"), "w") as f:  # written last: marks the job finished
         json.dump(summary, f, indent=1)
 
@@ -393,7 +403,7 @@ def learner_summary(state_path: str, after: dict) -> dict:
 
 
 def scale(d: int, args, base_model: str) -> None:
-    streams = {s: os.path.join(args.out, "streams", stream_name(d, s)) for s in SEEDS}
+    streams = {s: os.path.join(args.out, "streams", stream_name(d, s)) for s in SCALE_SEEDS}
     missing = [s for s, stream in streams.items() if not os.path.exists(os.path.join(stream, "result.json"))]
     if missing:
         raise RuntimeError(f"scale:{d} needs the streams of seeds {missing}: run their record jobs first")
@@ -410,12 +420,12 @@ def scale(d: int, args, base_model: str) -> None:
             os.path.join(work, f"s{s}"),
             args.threads,
         )
-        for s in SEEDS
+        for s in SCALE_SEEDS
     }
     start = time.perf_counter()
     print(f"[{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}] scale d{d}: {', '.join(learners)}", flush=True)
     steps_path = os.path.join(results, "steps.jsonl")
-    lockstep(learners, steps_path, reference=f"s{SEEDS[0]}")
+    lockstep(learners, steps_path, reference=f"s{SCALE_SEEDS[0]}")
     for label, spec in learners.items():
         keep_learner_results(spec["out"], os.path.join(results, label), label, steps_path)
     with open(steps_path) as f:
@@ -443,58 +453,56 @@ def load(path: str) -> dict | None:
 
 def report(args) -> None:
     print(
-        f"Replay study: greedy accuracy on the {args.eval_limit} held-out problems after {args.steps} steps (mean +- "
-        "std over streams),"
+        f"Replay study: greedy accuracy on the {args.eval_limit} held-out problems after {args.steps} steps, each "
+        "anchor's learner and the recompute learner of the same job (mean +- std over streams); per-step KL to that "
+        "recompute learner on the held-out set (nats/token, mean over steps and streams)"
     )
-    print("and per-step KL to the recompute learner on the held-out set (nats/token, mean over steps and streams)")
-    header = f"{'d':>2} {'anchor':<10} {'streams':>7}  {'greedy after':<16} {'KL(rec||x)':>10} {'KL(x||rec)':>10}"
-    print(header + f" {'cos(upd)':>8} {'clipped':>8} {'capped':>8}")
-    figure_runs, figure_labels = [], []
+    header = f"{'d':>2} {'anchor':<10} {'streams':>7}  {'greedy':<14} {'recompute':<14} {'KL(rec||x)':>10}"
+    print(header + f" {'KL(x||rec)':>10} {'cos(upd)':>8} {'clipped':>8} {'capped':>8}")
+    figure_runs, figure_labels, differences = [], [], []
     for d in STALENESS:
-        replays = [load(os.path.join(args.out, "replays", stream_name(d, s), "result.json")) for s in SEEDS]
-        replays = [r for r in replays if r]
-        if not replays:
-            continue
         for anchor in anchors():
-            rows = [r["learners"][anchor] for r in replays]
-            greedy = [row["greedy_after"] for row in rows]
-            spread = (
-                f"{statistics.mean(greedy):.3f} +- {statistics.stdev(greedy):.3f}"
-                if len(greedy) > 1
-                else (f"{greedy[0]:.3f}")
-            )
+            if anchor == RECORDED_METHOD:
+                continue
+            jobs = [os.path.join(args.out, "replays", stream_name(d, s), anchor) for s in SEEDS]
+            results = [r for r in (load(os.path.join(job, "result.json")) for job in jobs) if r]
+            if not results:
+                continue
+            rows = [r["learners"][anchor] for r in results]
+            references = [r["learners"][RECORDED_METHOD] for r in results]
+
+            def spread(values):
+                if len(values) == 1:
+                    return f"{values[0]:.3f}"
+                return f"{statistics.mean(values):.3f} +- {statistics.stdev(values):.3f}"
 
             def average(key):
                 values = [row[key] for row in rows if row[key] is not None]
                 return statistics.mean(values) if values else math.nan
 
+            greedy = [row["greedy_after"] for row in rows]
+            greedy_reference = [row["greedy_after"] for row in references]
             print(
-                f"{d:>2} {anchor:<10} {len(rows):>7}  {spread:<16} {average('kl_reference_learner'):>10.2e} "
-                f"{average('kl_learner_reference'):>10.2e} {average('update_cosine'):>8.4f} "
-                f"{average('clip_frac'):>8.4f} {average('capped_frac'):>8.4f}"
+                f"{d:>2} {anchor:<10} {len(rows):>7}  {spread(greedy):<14} {spread(greedy_reference):<14} "
+                f"{average('kl_reference_learner'):>10.2e} {average('kl_learner_reference'):>10.2e} "
+                f"{average('update_cosine'):>8.4f} {average('clip_frac'):>8.4f} {average('capped_frac'):>8.4f}"
             )
-            for s in SEEDS:
-                run = os.path.join(args.out, "replays", stream_name(d, s), anchor)
-                if anchor != RECORDED_METHOD and os.path.exists(os.path.join(run, "trainer_state.json")):
-                    figure_runs.append(run)
+            diffs = [a - b for a, b in zip(greedy, greedy_reference)]
+            differences.append(f"   d={d} {anchor} - {RECORDED_METHOD}: {learning.paired_difference(diffs)}")
+            for job in jobs:
+                if os.path.exists(os.path.join(job, anchor, "trainer_state.json")):
+                    figure_runs.append(os.path.join(job, anchor))
                     figure_labels.append(f"d={d} {anchor}")
-        for anchor in anchors():
-            if anchor == RECORDED_METHOD:
-                continue
-            diffs = [
-                r["learners"][anchor]["greedy_after"] - r["learners"][RECORDED_METHOD]["greedy_after"] for r in replays
-            ]
-            print(f"   d={d} {anchor} - {RECORDED_METHOD}: {learning.paired_difference(diffs)}")
         seed_scale = load(os.path.join(args.out, "scale", f"d{d}", "result.json"))
         if seed_scale:
-            kl = statistics.mean(seed_scale["kl_mean"].values())
-            print(f"   d={d} seed to seed (closed-loop recompute runs, 3 pairs): KL {kl:.2e} nats/token per step")
-            for label in seed_scale["kl_mean"]:
-                run = os.path.join(args.out, "scale", f"d{d}", label.split("|")[1])
-                figure_runs.append(run)
-                figure_labels.append(f"d={d} seed to seed")
+            (pair, kl), *_ = seed_scale["kl_mean"].items()
+            differences.append(f"   d={d} seed to seed ({pair}, closed-loop recompute runs): KL {kl:.2e} nats/token")
+            figure_runs.append(os.path.join(args.out, "scale", f"d{d}", pair.split("|")[1]))
+            figure_labels.append(f"d={d} seed to seed")
         else:
-            print(f"   d={d} seed to seed: not measured yet (scale:{d})")
+            differences.append(f"   d={d} seed to seed: not measured yet (scale:{d})")
+    print("Paired differences of greedy accuracy (same stream), 95% interval over streams:")
+    print("\n".join(differences))
     if figure_runs:
         from trl_a3po.plot import plot_runs
 
@@ -504,7 +512,9 @@ def report(args) -> None:
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--only", nargs="+", metavar="JOB", help="these jobs only (record:8:0, replay:8:0, scale:8)")
+    parser.add_argument(
+        "--only", nargs="+", metavar="JOB", help="these jobs only (record:8:0, replay:8:0:loglinear, scale:8)"
+    )
     parser.add_argument("--report", action="store_true", help="no training: the tables and figure of finished jobs")
     parser.add_argument("--steps", type=int, default=30, help="optimizer steps per recording (the sweep's)")
     parser.add_argument("--learning-rate", type=float, default=learning.LEARNING_RATE)
@@ -534,15 +544,17 @@ def main():
         base_model = resolve_model("smollm2-135m-instruct")
         for job in args.only or jobs:
             kind, *numbers = job.split(":")
+            d, *rest = numbers
+            d, rest = int(d), [int(r) if r.isdigit() else r for r in rest]
             done = {
-                "record": lambda d, s: os.path.join(args.out, "streams", stream_name(d, s), "result.json"),
-                "replay": lambda d, s: os.path.join(args.out, "replays", stream_name(d, s), "result.json"),
-                "scale": lambda d: os.path.join(args.out, "scale", f"d{d}", "result.json"),
-            }[kind](*map(int, numbers))
+                "record": lambda s: os.path.join(args.out, "streams", stream_name(d, s), "result.json"),
+                "replay": lambda s, a: os.path.join(args.out, "replays", stream_name(d, s), a, "result.json"),
+                "scale": lambda: os.path.join(args.out, "scale", f"d{d}", "result.json"),
+            }[kind](*rest)
             if os.path.exists(done):
                 print(f"{job}: finished, skipped", flush=True)
                 continue
-            {"record": record, "replay": replay, "scale": scale}[kind](*map(int, numbers), args, base_model)
+            {"record": record, "replay": replay, "scale": scale}[kind](d, *rest, args, base_model)
     report(args)
 
 
