@@ -23,6 +23,17 @@ def test_two_process_async_run_follows_the_synchronous_shards(tmp_path, synchron
         assert async_[0]["mixed"] > 0 and async_[1]["mixed"] > 0
 
 
+def test_two_processes_record_their_shares_and_a_replay_reproduces_the_run(tmp_path):
+    ranks = launch(tmp_path, "async-replay")
+    for rank in ranks:
+        replayed = rank["replayed"]
+        # each process recorded its own share of each of the 4 generation batches, and replayed it, bit for bit
+        assert replayed["batch_files"] == [f"{k:06d}-{r}.pt" for k in range(4) for r in range(2)]
+        assert replayed["losses"][0] == replayed["losses"][1] and len(replayed["losses"][0]) == 8
+        assert replayed["weight_differences"] == {}
+    assert max(ranks[0]["staleness_max"]) == 2
+
+
 def test_two_processes_follow_an_iterable_datasets_synchronous_shards(tmp_path, synchronous_iterable_shards):
     # The stream has no sampler to replay: each process's producer reads its own shard of it (Accelerate shards a
     # 2-shard stream by its shards), ahead of its trainer.

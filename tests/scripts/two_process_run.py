@@ -23,6 +23,9 @@ as concurrent requests).
 for both, on a stand-in server) and `raise-reset PORT MODEL_DIR` (an environment, in-process) run user code that
 raises in the producer: each rank writes OUT_DIR/<mode>-rank<r>.json with the type `train()` raised and its notes.
 
+`async-replay` records its batches (`record_generation_batches`), then replays them with the recorded anchor
+(`ReplayTrainer`) in the same processes: each rank reports both runs' losses and whether the final weights match.
+
 `vllm-nccl-standin` replaces TRL's VLLMClient (the NCCL weight transfer, which needs GPUs) with a recorder, to count
 who initialises a communicator and how many pushes reach it; generation still runs on the real server.
 """
@@ -207,6 +210,7 @@ args = A3POConfig(
     **server,
     inflight_weight_updates=inflight,
     continuous_generation="continuous" in mode,
+    record_generation_batches=str(out_dir / "recording") if mode == "async-replay" else None,
     # DeepSpeed on CPU: `use_cpu` would bypass it; gloo instead of NCCL; fp32
     **({"ddp_backend": "gloo"} if zero3 else {}),
 )
@@ -240,11 +244,37 @@ if "raise-" in mode:
     sys.stderr.flush()
     os._exit(0)
 trainer.train()
+trained = {name: p.detach().clone() for name, p in trainer.accelerator.unwrap_model(trainer.model).named_parameters()}
 checked = 0
 if mode != "vllm-nccl-standin":  # the stand-in pushes nothing: the server keeps its first weights
     checked = check_behaviour_logprobs_against_versions(
         trainer, versions, samples, atol=1e-3 if mode.startswith("vllm") else 1e-5
     )
+replayed = {}
+if mode == "async-replay":  # the recorded anchor replayed on the recording, from the same initial weights
+    from trl_a3po.replay import ReplayTrainer, replay_config
+
+    replay = ReplayTrainer(
+        make_model(tokenizer),
+        args=replay_config(str(out_dir / "recording"), "loglinear", str(out_dir / "replay")),
+        train_dataset=dataset,
+        processing_class=tokenizer,
+        recording=str(out_dir / "recording"),
+        anchor="loglinear",
+    )
+    replay.train()
+    losses = [[h["loss"] for h in t.state.log_history if "loss" in h] for t in (trainer, replay)]
+    # (the recorded run's weights as training left them: the version check above loads older versions)
+    weights = [trained, dict(replay.accelerator.unwrap_model(replay.model).named_parameters())]
+    replayed = {
+        "losses": losses,
+        "weight_differences": {
+            name: (weights[0][name] - weights[1][name]).abs().max().item()
+            for name in weights[0]
+            if not torch.equal(weights[0][name], weights[1][name])
+        },
+        "batch_files": sorted(p.name for p in (out_dir / "recording" / "batches").iterdir()),
+    }
 # Under ZeRO-3 each process holds only its partition of every parameter (outside a gather).
 params = list(trainer.model_wrapped.parameters()) if zero3 else []
 held = sum(p.ds_tensor.numel() for p in params if hasattr(p, "ds_tensor"))
@@ -269,6 +299,7 @@ staleness = [h["a3po/staleness/max"] for h in trainer.state.log_history if "a3po
             "client_updates": RecordingClient.updates,
             "group_ports": RecordingClient.group_ports,
             "parameter_names": sorted(name for name, _ in trainer.model.named_parameters()),
+            "replayed": replayed,
         }
     )
 )
