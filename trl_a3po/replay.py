@@ -88,7 +88,6 @@ class ReplayTrainer(A3POTrainer):
     def __init__(
         self,
         model,
-        reward_funcs=None,
         args: A3POConfig | None = None,
         train_dataset=None,
         *,
@@ -111,7 +110,8 @@ class ReplayTrainer(A3POTrainer):
                 "a replay trains the decoupled loss on asynchronous batches, as recorded: use replay_config."
             )
         self.recording = Recording(recording)
-        super().__init__(model, reward_funcs or _no_rewards, args=args, train_dataset=train_dataset, **kwargs)
+        # No reward functions: the recorded advantages are trained (GRPOTrainer needs one; it is never called).
+        super().__init__(model, _no_rewards, args=args, train_dataset=train_dataset, **kwargs)
         check_layout(self.recording, self.args, self.accelerator.num_processes)
         self._prox_approximation = anchor if anchor != "recompute" else "loglinear"
         fingerprint = policy_fingerprint(self.accelerator.unwrap_model(self.model))
