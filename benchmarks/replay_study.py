@@ -182,8 +182,8 @@ def learner_main(spec: dict, conn) -> None:
                 self.wait_for_turn()
 
             def wait_for_turn(self):
-                # Four learners stay resident; each would keep its peak (the step's freed activations) as glibc
-                # holds freed memory for reuse: hand it back to the system while waiting.
+                # Every learner of a job stays resident; each would keep its peak (the step's freed activations), as
+                # glibc holds freed memory for reuse: hand it back to the system while waiting.
                 libc.malloc_trim(0)
                 if conn.recv() != "go":
                     raise RuntimeError("the study stopped this learner")

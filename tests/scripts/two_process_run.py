@@ -244,7 +244,8 @@ if "raise-" in mode:
     sys.stderr.flush()
     os._exit(0)
 trainer.train()
-trained = {name: p.detach().clone() for name, p in trainer.accelerator.unwrap_model(trainer.model).named_parameters()}
+if mode == "async-replay":  # the weights as training left them (the version check below loads older versions)
+    trained = {n: p.detach().clone() for n, p in trainer.accelerator.unwrap_model(trainer.model).named_parameters()}
 checked = 0
 if mode != "vllm-nccl-standin":  # the stand-in pushes nothing: the server keeps its first weights
     checked = check_behaviour_logprobs_against_versions(
@@ -264,7 +265,6 @@ if mode == "async-replay":  # the recorded anchor replayed on the recording, fro
     )
     replay.train()
     losses = [[h["loss"] for h in t.state.log_history if "loss" in h] for t in (trainer, replay)]
-    # (the recorded run's weights as training left them: the version check above loads older versions)
     weights = [trained, dict(replay.accelerator.unwrap_model(replay.model).named_parameters())]
     replayed = {
         "losses": losses,
