@@ -99,14 +99,14 @@ def run_schedule(seed, max_delay=0.0005):
     try:
         for version, result in drive_like_the_trainer(queue, bound, num_batches, rows=3):
             assert result.index == version
-            for ids, behaviour in zip(result.batch.completion_ids, result.batch.versions):
+            for ids, behaviour in zip(result.batch.generation.ids, result.batch.generation.versions):
                 # every token's recorded version is the version the backend had loaded
                 assert behaviour == [ids[-1]] * len(ids)
                 assert 0 <= version - ids[-1] <= eta, (seed, version, behaviour, eta)
             for _ in range(optimizer_steps_per_version):
                 if rng.random() < 0.3:
                     time.sleep(rng.random() * max_delay)
-            trained.extend(tuple(ids[:-1]) for ids in result.batch.completion_ids)
+            trained.extend(tuple(ids[:-1]) for ids in result.batch.generation.ids)
     finally:
         queue.close(timeout=10)
     expected = [(k, i) for k in range(num_batches) for i in range(3)]
@@ -136,24 +136,24 @@ def test_stale_weights_are_loaded_only_when_the_bound_or_sync_every_needs_them(q
     try:
         queue.publish(0, weights(0))
         queue.submit(0, [[0]], min_version=0)
-        assert queue.get(0, timeout=5).batch.versions == [[0, 0]]
+        assert queue.get(0, timeout=5).batch.generation.versions == [[0, 0]]
         queue.publish(1, weights(1))
         queue.submit(1, [[1]], min_version=0)  # version 0 is allowed and only 1 behind: no load
-        assert queue.get(1, timeout=5).batch.versions == [[0, 0]]
+        assert queue.get(1, timeout=5).batch.generation.versions == [[0, 0]]
         queue.publish(2, weights(2))
         queue.submit(2, [[2]], min_version=2)  # the bound needs version 2
-        assert queue.get(2, timeout=5).batch.versions == [[2, 2]]
+        assert queue.get(2, timeout=5).batch.generation.versions == [[2, 2]]
         for version in (3, 4, 5):
             queue.publish(version, weights(version))
         queue.submit(3, [[3]], min_version=0)  # 3 versions behind the newest: sync_every=3 loads it
-        assert queue.get(3, timeout=5).batch.versions == [[5, 5]]
+        assert queue.get(3, timeout=5).batch.generation.versions == [[5, 5]]
         assert backend.loads == [0, 2, 5]
         for version in (6, 7, 8):  # due by sync_every, but no batch waits: a load now would be a wasted push
             queue.publish(version, weights(version))
         wait_until_the_producer_waits_for_work(queue)  # it has seen version 8
         assert backend.loads == [0, 2, 5]
         queue.submit(4, [[4]], min_version=0)
-        assert queue.get(4, timeout=5).batch.versions == [[8, 8]]
+        assert queue.get(4, timeout=5).batch.generation.versions == [[8, 8]]
         assert backend.loads == [0, 2, 5, 8]
     finally:
         queue.close()
@@ -395,7 +395,7 @@ def test_inflight_and_continuous_schedules_keep_every_token_on_its_version_withi
             for version, result in drive_like_the_trainer(queue, bound, num_batches, rows=4):
                 assert result.prompt_ids == [[version, i] for i in range(4)]
                 for prompt, ids, behaviour in zip(
-                    result.prompt_ids, result.batch.completion_ids, result.batch.versions
+                    result.prompt_ids, result.batch.generation.ids, result.batch.generation.versions
                 ):
                     assert len(ids) == backend.length(prompt)  # whole: tokens before and after each stop, none lost
                     assert behaviour == ids  # each token's recorded version is the one that sampled it

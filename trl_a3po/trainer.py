@@ -2,13 +2,15 @@
 
 The glue only: the math lives in `proximal.py`, the loss metrics in `loss_metrics.py`, generation in `rollout/`.
 Hooks overridden, and why:
-- `_generate_single_turn`: TRL's HF-generate path returns no log-probs; ours returns the behaviour log-probs. In
-  asynchronous mode it hands over the producer's pre-generated batch instead of generating: `AsyncRollout.take`
-  (`rollout/async_rollout.py`, the whole trainer side of asynchronous generation) publishes this step's weights,
-  submits what the staleness bound admits, and returns this process's share with a version per token.
-- `_generate_and_score_completions`: tag each completion token with its `behavior_version`, check the behaviour
-  log-probs, and (recompute / metrics) run the one proximal forward per training step. TRL's scoring (rewards,
-  advantages, gathers) runs unchanged, on the main thread; `_Scoring` is the one channel between our hooks inside it.
+- `_generate_and_score_completions`: in asynchronous mode, take the producer's share of this batch (`AsyncRollout.take`
+  in `rollout/async_rollout.py`, the whole trainer side of asynchronous generation: it publishes this step's weights,
+  submits what the staleness bound admits, and returns this process's share with a version per token); let TRL score
+  it unchanged, on the main thread; tag each completion token with its `behavior_version`, check the behaviour
+  log-probs, and (recompute / metrics) run the one proximal forward per training step.
+- `_generate_single_turn`, `_tool_call_loop`, `rollout_func` (wrapped): while TRL scores a share, each returns the
+  producer's output (`GeneratedShare`'s methods); otherwise `_generate_single_turn` returns the behaviour log-probs
+  that TRL's HF-generate path does not.
+- `_calculate_rewards`: environments' rewards read the instances the episodes were played in; recording.
 - `_get_per_token_logps_and_entropies`: skips TRL's "old log-prob" forward during scoring (the decoupled loss never
   reads it; it is the cost A-3PO removes).
 - `_prepare_inputs` (asynchronous mode only): the same split into micro-batches, with a seeded shuffle.
@@ -23,13 +25,13 @@ for every optimizer step of that training step, so the proximal anchor never mov
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import textwrap
 import time
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -61,20 +63,6 @@ if TYPE_CHECKING:  # the signature's types, as GRPOTrainer's
     from peft import PeftConfig, PeftModel
     from transformers import BitsAndBytesConfig, PreTrainedModel, PreTrainedTokenizerBase, ProcessorMixin
     from trl.trainer.grpo_trainer import EnvironmentFactory, RewardFunc, RolloutFunc
-
-
-@dataclass
-class _Scoring:
-    """The one channel between our hooks while TRL's `_generate_and_score_completions` scores one generation batch
-    (set for that call only). TRL carries nothing from generation to its scored output but token ids and log-probs,
-    and runs its "old log-prob" forward through the same method as every other forward; hence:"""
-
-    # GRPOTrainer runs its "old log-prob" forward first in scoring, iff gradient_accumulation_steps is not a multiple
-    # of steps_per_generation * num_iterations (A3POConfig refuses TRL's other reason, vLLM importance sampling).
-    skip_old_logp_forward: bool
-    # The producer's share of this batch, when generated ahead: the generation hooks hand TRL its parts, and its
-    # per-token versions become `behavior_version` (None: generated just now, by the weights being trained).
-    share: GeneratedShare | None = None
 
 
 class _ResumeAlignmentCallback(TrainerCallback):
@@ -169,8 +157,14 @@ class A3POTrainer(GRPOTrainer):
             self.generation_kwargs = {**self.generation_kwargs, "temperature": self.args.sampling_temperature}
         self._prox_timer = ProxTimer(self.accelerator.device)  # the paper's Figure 1 metric
         self._train_start = time.perf_counter()
-        # The one channel between our hooks while TRL scores a generation batch (see `_Scoring`).
-        self._scoring: _Scoring | None = None
+        # While TRL's `_generate_and_score_completions` scores a batch generated ahead, the producer's share of it:
+        # TRL's generation hooks take their parts from it (`GeneratedShare`'s methods), and its versions become
+        # `behavior_version`. TRL's hooks take no extra argument, so the share is the trainer's for that call only.
+        self._scored_share: GeneratedShare | None = None
+        # GRPOTrainer runs its "old log-prob" forward first in scoring, iff gradient_accumulation_steps is not a
+        # multiple of steps_per_generation * num_iterations (A3POConfig refuses its other reason, vLLM importance
+        # sampling); the decoupled loss never reads it (`_get_per_token_logps_and_entropies`).
+        self._skip_old_logp_forward = False
         # Asynchronous generation, for one train() call: built and closed there, started at its first batch.
         self._rollout: AsyncRollout | None = None
         self._loss_metrics = LossMetrics(
@@ -288,8 +282,8 @@ class A3POTrainer(GRPOTrainer):
         return self._buffered_inputs[self._step % self.args.steps_per_generation]
 
     def _take_generated_batch(self) -> GeneratedShare:
-        """The producer's batch for this training step, in place of generating it now (scored through `_Scoring`);
-        its queue metrics go to the logs."""
+        """The producer's batch for this training step, in place of generating it now; its queue metrics go to the
+        logs."""
         index = self._generation_batch_index
         version = self.policy_version
         if index != version:
@@ -306,12 +300,8 @@ class A3POTrainer(GRPOTrainer):
     # ------------------------------------------------------------------ generation side
 
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
-        if self._scoring is not None and self._scoring.share is not None:  # generated ahead
-            share = self._scoring.share
-            share.check_prompts(self._generation_batch_index, prompt_ids)
-            if share.episodes is not None:  # TRL parses the first turn, then asks `_tool_call_loop` for the rest
-                return [e.first_turn_ids for e in share.episodes], [e.first_turn_logprobs for e in share.episodes]
-            return share.completion_ids, share.logprobs
+        if self._scored_share is not None:  # generated ahead
+            return self._scored_share.generated_turn(prompt_ids)
         if self.use_vllm or not self.args.use_decoupled_loss:
             # vLLM already returns the sampled tokens' log-probs (TRL asks for processed_logprobs).
             return super()._generate_single_turn(
@@ -348,42 +338,19 @@ class A3POTrainer(GRPOTrainer):
         return self._generate_single_turn(prompt_ids, None, {}, 1)
 
     def _rollout_func_or_its_output(self, prompts, trainer):
-        share = self._scoring.share if self._scoring is not None else None
-        if share is None:
+        if self._scored_share is None:
             return self._user_rollout_func(prompts, trainer)
-        episodes = share.episodes
-        if [e.prompt for e in episodes] != list(prompts):
-            share.check_prompts(self._generation_batch_index, [])  # raises, naming the batch
-        fields = episodes[0].rollout_fields
-        return {
-            "prompt_ids": [e.prompt_ids for e in episodes],
-            "completion_ids": [e.completion_ids for e in episodes],
-            "logprobs": [e.logprobs for e in episodes],
-            **{
-                key: [e.rollout_fields[key] for e in episodes] if key in episodes[0].rollout_fields_per_row else value
-                for key, value in fields.items()
-            },
-        }
+        return self._scored_share.rollout_func_output(prompts)
 
     def _tool_call_loop(self, prompts, prompt_ids, completion_ids, completions, logprobs, images, multimodal_fields):
-        if self._scoring is None or self._scoring.share is None:
+        if self._scored_share is None:
             return super()._tool_call_loop(
                 prompts, prompt_ids, completion_ids, completions, logprobs, images, multimodal_fields
             )
-        # Generated ahead: the producer ran TRL's loop for each episode (`rollout/episodes.py`); hand TRL its results.
-        episodes = self._scoring.share.episodes
-        return (
-            [e.tool_mask for e in episodes],
-            [e.completions for e in episodes],
-            [e.completion_ids for e in episodes],
-            [e.logprobs for e in episodes],
-            sum(e.tool_calls for e in episodes),
-            sum(e.tool_failures for e in episodes),
-            [[] for _ in episodes],  # tool images: text-only
-        )
+        return self._scored_share.tool_loop_output()  # the producer ran TRL's loop for each episode
 
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
-        share = self._scoring.share if self._scoring is not None else None
+        share = self._scored_share
         if share is not None and share.episodes is not None and self.environment_factories is not None:
             # The environments the episodes were played in (TRL's preamble held stand-ins: `AsyncRollout.scoring`).
             self.environments = [e.environment for e in share.episodes]
@@ -393,12 +360,12 @@ class A3POTrainer(GRPOTrainer):
         return rewards_per_func
 
     def _get_per_token_logps_and_entropies(self, *args, **kwargs):
-        if self._scoring is not None and self._scoring.skip_old_logp_forward:
+        if self._skip_old_logp_forward:
             # When a generation batch spans several optimizer steps (gradient_accumulation_steps not a multiple of
             # steps_per_generation * num_iterations), GRPOTrainer's scoring starts with a no-grad forward for its
             # "old" log-probs. The decoupled loss never reads them (behaviour + proximal log-probs replace them), and
             # that forward is exactly the cost A-3PO removes: answer it as TRL's aligned case does, with None.
-            self._scoring.skip_old_logp_forward = False
+            self._skip_old_logp_forward = False
             return None, None, None
         return super()._get_per_token_logps_and_entropies(*args, **kwargs)
 
@@ -415,19 +382,16 @@ class A3POTrainer(GRPOTrainer):
         """TRL's scored generation batch (generated now, or the producer's), with each completion token's
         `behavior_version`."""
         decoupled = self.args.use_decoupled_loss  # GRPOTrainer's own loss reads the "old" log-probs
-        scoring = self._scoring = _Scoring(
-            skip_old_logp_forward=decoupled
-            and (self.args.gradient_accumulation_steps % self._micro_steps_per_generation != 0)
+        self._skip_old_logp_forward = decoupled and (
+            self.args.gradient_accumulation_steps % self._micro_steps_per_generation != 0
         )
+        share = self._take_generated_batch() if self.args.async_generation and self.model.training else None
         try:
-            if self.args.async_generation and self.model.training:
-                scoring.share = self._take_generated_batch()
-                with self._rollout.scoring(scoring.share):
-                    output = super()._generate_and_score_completions(inputs)
-            else:
+            self._scored_share = share
+            with self._rollout.scoring(share) if share is not None else contextlib.nullcontext():
                 output = super()._generate_and_score_completions(inputs)
         finally:
-            self._scoring = None
+            self._scored_share, self._skip_old_logp_forward = None, False
         if not decoupled:
             return output
         behav = output.get("sampling_per_token_logps")
@@ -447,22 +411,11 @@ class A3POTrainer(GRPOTrainer):
                 "log-prob; check its dtype (fp16 overflow) and its logprobs mode (processed_logprobs)."
             )
         # Per completion token (B, T): a sequence generated across a weight update has tokens of several versions.
-        if scoring.share is not None:  # generated ahead by the producer
-            # Padding positions take their row's last version: masked everywhere, and never a negative staleness.
-            rows = [torch.tensor(versions, dtype=torch.long) for versions in scoring.share.versions]
-            behavior_version = torch.stack(
-                [
-                    torch.nn.functional.pad(
-                        row,
-                        (0, behav.size(1) - row.numel()),
-                        value=int(row[-1]) if row.numel() else self.policy_version,
-                    )
-                    for row in rows
-                ]
-            ).to(behav.device)
-        else:  # generated just now, by the current weights
-            behavior_version = torch.full(behav.shape, self.policy_version, dtype=torch.long, device=behav.device)
-        output["behavior_version"] = behavior_version
+        output["behavior_version"] = (
+            share.behavior_version(behav.size(1), behav.device)
+            if share is not None  # generated ahead by the producer
+            else torch.full(behav.shape, self.policy_version, dtype=torch.long, device=behav.device)  # just now
+        )
         return output
 
     def _recompute_prox_logps(self, batch) -> torch.Tensor:

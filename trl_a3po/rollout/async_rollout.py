@@ -18,9 +18,10 @@ import sys
 import time
 from dataclasses import dataclass
 
+import torch
 from accelerate.utils import broadcast_object_list
 
-from .backend import BackendContext, backend_entry
+from .backend import BackendContext, Generation, backend_entry
 from .continuous import ContinuousGenerationQueue
 from .episodes import Episode, EpisodeRunner
 from .errors import for_other_processes
@@ -31,22 +32,71 @@ from .queue import GenerationQueue, StalenessBound
 
 @dataclass
 class GeneratedShare:
-    """One process's part of one generation batch, in the trainer's row order."""
+    """One process's part of one generation batch, in the trainer's row order. While TRL scores it, each of the
+    trainer's generation hooks takes what TRL expects of it from one method here."""
 
+    index: int  # the generation batch
     prompt_ids: list[list[int]]
-    completion_ids: list[list[int]]
-    logprobs: list[list[float]]  # per completion token: the behaviour log-prob, from the sampled distribution
-    versions: list[list[int]]  # per completion token: the policy version that sampled it
+    generation: Generation  # per completion token: its id, behaviour log-prob and the version that sampled it
     stats: dict[str, float]  # queue metrics for this batch, under their logged names
     episodes: list[Episode] | None = None  # multi-turn rows (tools, environments): how each was played
 
-    def check_prompts(self, index: int, prompt_ids: list[list[int]]) -> None:
+    def check_prompts(self, prompt_ids: list[list[int]]) -> None:
         if self.prompt_ids != list(prompt_ids):
             raise RuntimeError(
-                f"Generation batch {index}: the producer's prompts differ from the trainer's. The prompt order "
+                f"Generation batch {self.index}: the producer's prompts differ from the trainer's. The prompt order "
                 "diverged from the training dataloader's (a custom sampler or data collator?), or an environment's "
                 "`reset` observation was not the one played; set async_generation=False."
             )
+
+    def generated_turn(self, prompt_ids: list[list[int]]) -> tuple[list[list[int]], list[list[float]]]:
+        """TRL's `_generate_single_turn`: completion ids and log-probs (episodes: their first turn, which TRL parses
+        before asking `_tool_call_loop` for the rest)."""
+        self.check_prompts(prompt_ids)
+        if self.episodes is not None:
+            return [e.first_turn_ids for e in self.episodes], [e.first_turn_logprobs for e in self.episodes]
+        return self.generation.ids, self.generation.logprobs
+
+    def tool_loop_output(self) -> tuple:
+        """TRL's `_tool_call_loop`: what the producer's run of that loop gave each episode (`episodes.py`)."""
+        episodes = self.episodes
+        return (
+            [e.tool_mask for e in episodes],
+            [e.completions for e in episodes],
+            [e.completion_ids for e in episodes],
+            [e.logprobs for e in episodes],
+            sum(e.tool_calls for e in episodes),
+            sum(e.tool_failures for e in episodes),
+            [[] for _ in episodes],  # tool images: text-only
+        )
+
+    def rollout_func_output(self, prompts: list) -> dict:
+        """TRL's `rollout_func` output: what the user's function returned in the producer, row by row."""
+        episodes = self.episodes
+        if [e.prompt for e in episodes] != list(prompts):
+            self.check_prompts([])  # raises, naming the batch
+        per_row = episodes[0].rollout_fields_per_row
+        return {
+            "prompt_ids": [e.prompt_ids for e in episodes],
+            "completion_ids": [e.completion_ids for e in episodes],
+            "logprobs": [e.logprobs for e in episodes],
+            **{
+                key: [e.rollout_fields[key] for e in episodes] if key in per_row else value
+                for key, value in episodes[0].rollout_fields.items()
+            },
+        }
+
+    def behavior_version(self, width: int, device) -> torch.Tensor:
+        """(rows, width): each completion token's version; padding takes its row's last version (masked everywhere,
+        and never a negative staleness)."""
+        return torch.tensor(
+            [
+                (row + [row[-1] if row else self.index] * (width - len(row)))[:width]
+                for row in self.generation.versions
+            ],
+            dtype=torch.long,
+            device=device,
+        )
 
 
 class AsyncRollout:
@@ -139,7 +189,7 @@ class AsyncRollout:
     def take(self, index: int, version: int) -> GeneratedShare:
         """Batch `index`, this process's share, at the start of training step `index` (the live weights are version
         `version`). Every process calls it at the same step: publishing sharded weights and handing out shares are
-        collectives. The caller checks its prompts against the trainer's (`GeneratedShare.check_prompts`)."""
+        collectives. Its prompts are checked against the trainer's when TRL asks for them (`generated_turn`)."""
         share = None
         try:
             if self.bound is None:
@@ -206,16 +256,15 @@ class AsyncRollout:
             "rollouter/idle_ratio": result.idle_s
             / max(result.idle_s + batch.generation_s + batch.weight_sync_s, 1e-9),
             "a3po/queue/depth": self.queue.depth,
-            "a3po/gen/tokens_per_s": sum(map(len, batch.completion_ids)) / max(batch.generation_s, 1e-9),
+            "a3po/gen/tokens_per_s": batch.generation.num_tokens / max(batch.generation_s, 1e-9),
             "a3po/gen/weight_sync_s": batch.weight_sync_s,
         }
         size = len(result.prompt_ids) // len(self.plans)  # every process's share has the same size
         shares = [
             GeneratedShare(
+                index,
                 result.prompt_ids[i : i + size],
-                batch.completion_ids[i : i + size],
-                batch.logprobs[i : i + size],
-                batch.versions[i : i + size],
+                batch.generation[i : i + size],
                 dict(stats),
                 None if batch.episodes is None else batch.episodes[i : i + size],
             )

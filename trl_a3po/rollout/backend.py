@@ -16,6 +16,42 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 
+@dataclass
+class Generation:
+    """Generated rows, in request order: per row, the token ids, each token's behaviour log-prob (from the distribution
+    it was sampled from) and the policy version whose weights sampled it. The three travel together from the producer
+    to TRL's scoring; a backend returns ids and log-probs only (it does not know versions: the queue does)."""
+
+    ids: list[list[int]]
+    logprobs: list[list[float]]
+    versions: list[list[int]]
+
+    @classmethod
+    def empty(cls, rows: int) -> Generation:
+        return cls([[] for _ in range(rows)], [[] for _ in range(rows)], [[] for _ in range(rows)])
+
+    @classmethod
+    def sampled_by(cls, version: int, ids: list[list[int]], logprobs: list[list[float]]) -> Generation:
+        """What a backend returned for one request, every token sampled by `version`."""
+        return cls(ids, logprobs, [[version] * len(row) for row in ids])
+
+    def extend_row(self, row: int, ids: list[int], logprobs: list[float], version: int) -> None:
+        """Row `row` continues with `ids`, sampled by `version` (a generation resumed under newer weights)."""
+        self.ids[row] += ids
+        self.logprobs[row] += logprobs
+        self.versions[row] += [version] * len(ids)
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, rows: slice) -> Generation:
+        return Generation(self.ids[rows], self.logprobs[rows], self.versions[rows])
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(map(len, self.ids))
+
+
 class RolloutBackend(Protocol):
     """What the producer drives. `stage` runs on the trainer's main thread (a private copy of the weights in the
     form the generator wants: device, dtype); `load` and `generate` run in the producer thread."""

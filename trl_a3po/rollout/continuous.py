@@ -34,6 +34,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from .backend import Generation
 from .queue import GeneratedBatch, GenerationQueue, GenerationResult, _Failure, _Request
 
 
@@ -44,18 +45,15 @@ class _Batch:
 
     request: _Request
     idle_s: float
-    ids: list[list[int]] = field(default_factory=list)
-    logprobs: list[list[float]] = field(default_factory=list)
-    versions: list[list[int]] = field(default_factory=list)
+    generation: Generation = field(init=False)  # the tokens so far, per row
     unfinished: list[bool] = field(default_factory=list)
     started: float = 0.0
     sync_s: float = 0.0
     stream: _Stream | None = None
 
     def __post_init__(self):
-        n = len(self.request.prompt_ids)
-        self.ids, self.logprobs, self.versions = [[] for _ in range(n)], [[] for _ in range(n)], [[] for _ in range(n)]
-        self.unfinished = [True] * n
+        self.generation = Generation.empty(len(self.request.prompt_ids))
+        self.unfinished = [True] * len(self.request.prompt_ids)
         self.started = time.perf_counter()
 
     @property
@@ -159,15 +157,13 @@ class ContinuousGenerationQueue(GenerationQueue):
                 raise stream.answer
             new_ids, new_logprobs, unfinished = stream.answer
             for row, (batch, i) in enumerate(stream.rows):
-                batch.ids[i] += new_ids[row]
-                batch.logprobs[i] += new_logprobs[row]
-                batch.versions[i] += [stream.version] * len(new_ids[row])
+                batch.generation.extend_row(i, new_ids[row], new_logprobs[row], stream.version)
                 batch.unfinished[i] = unfinished[row]
 
     def _start_stream(self, batches: list[_Batch]) -> None:
         stream = _Stream([(b, i) for b in batches for i, more in enumerate(b.unfinished) if more], self._held_version)
-        prompts = [batch.request.prompt_ids[i] + batch.ids[i] for batch, i in stream.rows]
-        generated = [len(batch.ids[i]) for batch, i in stream.rows]
+        prompts = [batch.request.prompt_ids[i] + batch.generation.ids[i] for batch, i in stream.rows]
+        generated = [len(batch.generation.ids[i]) for batch, i in stream.rows]
         self._doing = f"generating batches {[b.request.index for b in batches]} with version {stream.version}"
         # With in-flight updates a stream also stops when a newer version is due; without, it runs to its end. The
         # stream thread compares with its own version: `_held_version` is the coordinator's.
@@ -190,9 +186,7 @@ class ContinuousGenerationQueue(GenerationQueue):
         stream.thread.start()
 
     def _hand_over(self, batch: _Batch) -> None:
-        generated = GeneratedBatch(
-            batch.ids, batch.logprobs, batch.versions, time.perf_counter() - batch.started - batch.sync_s, batch.sync_s
-        )
+        generated = GeneratedBatch(batch.generation, time.perf_counter() - batch.started - batch.sync_s, batch.sync_s)
         self._results.put(GenerationResult(batch.request.index, batch.request.prompt_ids, generated, batch.idle_s))
 
 

@@ -41,6 +41,7 @@ from trl import GRPOTrainer
 from trl.chat_template_utils import parse_response
 from trl.data_utils import is_conversational
 
+from .backend import Generation
 from .errors import EpisodesStopped, our_code, user_code
 
 
@@ -125,8 +126,9 @@ class EpisodeRunner:
 
     def run(self, rows: list[dict], generate_turn) -> list[Episode]:
         """Play every row's episode; `generate_turn(prompt_ids)` (called here, in the producer thread) generates one
-        turn for several episodes at once and returns (ids, log-probs, versions) per row. Raises `EpisodesStopped` once
-        `abort` is called; re-raises the first error of an episode (user code included: `reset`, a factory)."""
+        turn for several episodes at once and returns their `Generation` (ids, log-probs, versions). Raises
+        `EpisodesStopped` once `abort` is called; re-raises the first error of an episode (user code included: `reset`,
+        a factory)."""
         if self.rollout_func is not None:
             return self._run_rollout_func(rows, generate_turn)
         turns = self._turns = queue.SimpleQueue()
@@ -157,7 +159,7 @@ class EpisodeRunner:
     @staticmethod
     def _answer(asks: list[_TurnAsk], generate_turn) -> None:
         try:
-            ids, logprobs, versions = generate_turn([p for ask in asks for p in ask.prompt_ids])
+            generation = generate_turn([p for ask in asks for p in ask.prompt_ids])
         except BaseException as error:
             for ask in asks:
                 ask.answer.set_exception(EpisodesStopped())
@@ -165,7 +167,7 @@ class EpisodeRunner:
         start = 0
         for ask in asks:
             end = start + len(ask.prompt_ids)
-            ask.answer.set_result((ids[start:end], logprobs[start:end], versions[start:end]))
+            ask.answer.set_result(generation[start:end])
             start = end
 
     def abort(self) -> None:
@@ -405,7 +407,7 @@ class _EpisodeView:
     def __init__(self, runner: EpisodeRunner, turns: queue.SimpleQueue):
         self._runner = runner
         self._turns = turns
-        self._turn_log: list[tuple[list[int], list[int]]] = []  # (ids, versions) of each generated turn
+        self._turn_log: list[Generation] = []  # each generated turn (one row: this episode's)
         self.tool_s = 0.0
         trainer = runner._trainer
         self.processing_class = self._tokenizer = runner.tokenizer()
@@ -436,16 +438,16 @@ class _EpisodeView:
         concurrent.futures.wait([ask.answer, stopping], return_when=concurrent.futures.FIRST_COMPLETED)
         if not ask.answer.done():
             raise EpisodesStopped()  # the producer has stopped: nobody will answer
-        ids, logprobs, versions = ask.answer.result()  # EpisodesStopped when the producer refused it
-        self._turn_log += list(zip(ids, versions))
-        return ids, logprobs
+        generation = ask.answer.result()  # EpisodesStopped when the producer refused it
+        self._turn_log.append(generation)
+        return generation.ids, generation.logprobs
 
     def versions_of(self, completion_ids: list[int], tool_mask: list[int] | None) -> list[int]:
         """Per completion token, the version that sampled it. The model tokens (tool_mask 1) are the turns' tokens in
         order, the last possibly cut by TRL to `max_completion_length` (a cut turn is always the last: nothing more
         fits); a tool token takes the version of the model token before it (it is never trained)."""
-        turn_ids = [t for ids, _ in self._turn_log for t in ids]
-        turn_versions = [v for _, versions in self._turn_log for v in versions]
+        turn_ids = [t for turn in self._turn_log for row in turn.ids for t in row]
+        turn_versions = [v for turn in self._turn_log for row in turn.versions for v in row]
         mask = tool_mask if tool_mask is not None else [1] * len(completion_ids)
         model_ids = [t for t, m in zip(completion_ids, mask) if m]
         if model_ids != turn_ids[: len(model_ids)]:
@@ -485,11 +487,11 @@ class _RolloutFuncView:
 
     def a3po_generate(self, prompt_ids: list[list[int]]) -> tuple[list[list[int]], list[list[float]]]:
         with our_code():
-            ids, logprobs, versions = self._generate_turn([list(p) for p in prompt_ids], switch=False)
-        held = {v for row in versions for v in row}
+            generation = self._generate_turn([list(p) for p in prompt_ids], switch=False)
+        held = {v for row in generation.versions for v in row}
         self.version = next(iter(held), self.version)
-        self.generated_tokens += sum(map(len, ids))
-        return ids, logprobs
+        self.generated_tokens += generation.num_tokens
+        return generation.ids, generation.logprobs
 
     @property
     def processing_class(self):

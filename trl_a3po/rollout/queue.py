@@ -30,7 +30,7 @@ import warnings
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from .backend import RolloutBackend
+from .backend import Generation, RolloutBackend
 from .errors import EpisodesStopped, as_raised_in_train
 
 
@@ -51,9 +51,7 @@ class StalenessBound:
 
 @dataclass
 class GeneratedBatch:
-    completion_ids: list[list[int]]
-    logprobs: list[list[float]]
-    versions: list[list[int]]  # per completion token: the policy version of the weights that generated it
+    generation: Generation  # the completions, in request order, with a behaviour log-prob and a version per token
     generation_s: float = 0.0
     weight_sync_s: float = 0.0
     episodes: list | None = None  # multi-turn rows (tools, environments): each row's `Episode`, in row order
@@ -234,18 +232,17 @@ class GenerationQueue:
                     self._results.put(result)
                     continue
                 if self._inflight:
-                    completion_ids, logprobs, versions, switch_s = self._generate_across_versions(request)
+                    generation, switch_s = self._generate_across_versions(request)
                 else:
                     self.generating_batch = request.index
                     self._doing = f"generating batch {request.index} with version {self._held_version}"
-                    completion_ids, logprobs = self._backend.generate(request.prompt_ids, self._stop)
-                    versions = [[self._held_version] * len(ids) for ids in completion_ids]
+                    generation = Generation.sampled_by(
+                        self._held_version, *self._backend.generate(request.prompt_ids, self._stop)
+                    )
                     switch_s = 0.0
                 if self._stop.is_set():
                     return  # abandoned mid-way: training is ending
-                batch = GeneratedBatch(
-                    completion_ids, logprobs, versions, time.perf_counter() - start - switch_s, sync_s + switch_s
-                )
+                batch = GeneratedBatch(generation, time.perf_counter() - start - switch_s, sync_s + switch_s)
                 self._results.put(GenerationResult(request.index, request.prompt_ids, batch, idle_s))
         except BaseException as error:  # re-raised in the trainer's thread by get() / raise_if_failed()
             self._error = error
@@ -261,14 +258,13 @@ class GenerationQueue:
             if switch and self._turn_updates:  # a continuation is a new request: a newer version may serve it
                 switch_s += self._load_weights_for(request.min_version)
             if switch and self._inflight:
-                ids, logprobs, versions, seconds = self._generate_across_versions(
+                generation, seconds = self._generate_across_versions(
                     _Request(request.index, prompt_ids, request.min_version)
                 )
                 switch_s += seconds
-                return ids, logprobs, versions
+                return generation
             self._doing = f"generating turns of batch {request.index} with version {self._held_version}"
-            ids, logprobs = self._backend.generate(prompt_ids, self._stop)
-            return ids, logprobs, [[self._held_version] * len(row) for row in ids]
+            return Generation.sampled_by(self._held_version, *self._backend.generate(prompt_ids, self._stop))
 
         try:
             self._doing = f"playing the episodes of batch {request.index}"
@@ -278,39 +274,36 @@ class GenerationQueue:
         if self._stop.is_set():
             return None
         batch = GeneratedBatch(
-            [e.completion_ids for e in episodes],
-            [e.logprobs for e in episodes],
-            [e.versions for e in episodes],
+            Generation(
+                [e.completion_ids for e in episodes], [e.logprobs for e in episodes], [e.versions for e in episodes]
+            ),
             time.perf_counter() - start - switch_s,
             sync_s + switch_s,
             episodes=episodes,
         )
         return GenerationResult(request.index, [e.prompt_ids for e in episodes], batch, idle_s)
 
-    def _generate_across_versions(self, request: _Request):
-        """One request, switching to a newer version between two tokens whenever one is due; returns the completions,
-        their log-probs and per-token versions, and the seconds spent loading versions mid-way."""
-        n = len(request.prompt_ids)
-        ids, logprobs, versions = [[] for _ in range(n)], [[] for _ in range(n)], [[] for _ in range(n)]
-        active, switch_s = list(range(n)), 0.0
+    def _generate_across_versions(self, request: _Request) -> tuple[Generation, float]:
+        """One request, switching to a newer version between two tokens whenever one is due; returns the completions
+        and the seconds spent loading versions mid-way."""
+        generation = Generation.empty(len(request.prompt_ids))
+        active, switch_s = list(range(len(request.prompt_ids))), 0.0
         self.generating_batch = request.index
         while True:
             self._doing = f"generating batch {request.index} with version {self._held_version}"
             new_ids, new_logprobs, unfinished = self._backend.generate_until(
-                [request.prompt_ids[i] + ids[i] for i in active],
+                [request.prompt_ids[i] + generation.ids[i] for i in active],
                 self._stop,
                 self._newer_version_due,
-                generated=[len(ids[i]) for i in active],
+                generated=[len(generation.ids[i]) for i in active],
             )
             if self._stop.is_set():
-                return ids, logprobs, versions, switch_s  # abandoned: the caller discards it
+                return generation, switch_s  # abandoned: the caller discards it
             for row, i in enumerate(active):
-                ids[i] += new_ids[row]
-                logprobs[i] += new_logprobs[row]
-                versions[i] += [self._held_version] * len(new_ids[row])
+                generation.extend_row(i, new_ids[row], new_logprobs[row], self._held_version)
             active = [i for row, i in enumerate(active) if unfinished[row]]
             if not active:
-                return ids, logprobs, versions, switch_s
+                return generation, switch_s
             switch_s += self._load_weights_for(request.min_version)
 
     def _newer_version_due(self, held_version: int | None = None) -> bool:
