@@ -288,7 +288,7 @@ def test_async_lora_snapshot_generates_with_the_merged_policy(tmp_path, tokenize
 
     snapshot = AutoModelForCausalLM.from_config(trainer.model.get_base_model().config)
     backend = InProcessBackend(snapshot, trainer.generation_config, 0, [1])
-    with policy_tensors(trainer) as tensors:
+    with policy_tensors(trainer.model_wrapped, trainer._dist) as tensors:
         backend.load(backend.stage(tensors))
     ids = torch.randint(5, 200, (2, 7))
     trainer.model.eval()
@@ -732,3 +732,75 @@ def test_a_backend_defined_in_a_test_trains_asynchronously_through_the_registry(
     assert check_behaviour_logprobs_against_versions(trainer, versions, samples, atol=1e-5) == 8 * 4
     assert max(logged(trainer, "a3po/staleness/max")) == 2  # generated ahead, up to the bound
     assert producer_threads() == []
+
+
+def test_the_asynchronous_side_runs_from_its_context_alone(tmp_path, tokenizer):
+    """`AsyncRollout` reads a `RolloutContext`, not a trainer: built here from plain parts (no trainer at all), it
+    hands out batches in the sampler's order, each token tagged with a version within the bound whose weights give
+    its behaviour log-prob."""
+    from accelerate import Accelerator
+    from torch.utils.data import SequentialSampler
+    from transformers import GenerationConfig
+
+    from trl_a3po.rollout.async_rollout import AsyncRollout, RolloutContext
+    from trl_a3po.rollout.prompt_plan import PlanSource
+
+    model = make_model(tokenizer)
+    rows = [{"prompt": f"{i} + {i} ="} for i in range(12)]
+    tokenize = lambda prompts: [tokenizer(p)["input_ids"] for p in prompts]  # noqa: E731
+    source = PlanSource(
+        dataset=rows,
+        sampler=lambda: SequentialSampler(rows),
+        collate=None,
+        rows_per_batch=4,
+        repeats=1,
+        drop_last=True,
+        shuffle=False,
+        seed=0,
+        num_generations=2,
+        generation_batch_size=4,
+        num_processes=1,
+        even_batches=True,
+        split_batches=False,
+    )
+    args = A3POConfig(str(tmp_path), **{**COMMON, "max_staleness": 1, "max_completion_length": 6})
+    rollout = AsyncRollout(
+        RolloutContext(
+            args=args,
+            accelerator=Accelerator(cpu=True),
+            plan_source=source,
+            policy=lambda: model,
+            dist=type("NotSharded", (), {"is_zero3": False, "is_fsdp": False, "fsdp_version": None})(),
+            generation_config=GenerationConfig(do_sample=True, top_k=0, top_p=1.0, temperature=1.0, max_new_tokens=6),
+            pad_token_id=tokenizer.pad_token_id,
+            eos_token_ids=[tokenizer.eos_token_id],
+            tokenize_prompts=tokenize,
+        )
+    )
+    weights, shares = {}, []
+    try:
+        for version in range(3):  # one training step per version: new weights, then the step's batch
+            weights[version] = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+            shares.append(rollout.take(version, version, last_index=2))
+            with torch.no_grad():
+                for parameter in model.parameters():
+                    parameter.add_(torch.randn_like(parameter) * 0.5)
+    finally:
+        rollout.close()
+    assert producer_threads() == []
+    probe = make_model(tokenizer)
+    for index, share in enumerate(shares):
+        assert share.prompt_ids == tokenize([row["prompt"] for row in rows[4 * index : 4 * index + 4]])
+        for prompt, ids, logprobs, versions in zip(
+            share.prompt_ids, share.generation.ids, share.generation.logprobs, share.generation.versions
+        ):
+            assert len(ids) == len(logprobs) == len(versions) > 0
+            (version,) = set(versions)  # no in-flight updates here: one version per sequence
+            assert max(index - 1, 0) <= version <= index  # within max_staleness=1
+            probe.load_state_dict(weights[version])
+            with torch.no_grad():
+                logits = probe(torch.tensor([prompt + ids])).logits[0, len(prompt) - 1 : -1].float()
+            expected = torch.log_softmax(logits, -1).gather(-1, torch.tensor(ids)[:, None]).squeeze(-1)
+            torch.testing.assert_close(torch.tensor(logprobs), expected, atol=1e-4, rtol=0)
+    # Batch 1 was submitted while version 0 was the newest: generated ahead, one version stale.
+    assert {v for row in shares[1].generation.versions for v in row} == {0}

@@ -166,13 +166,9 @@ def test_zero3_weights_are_gathered_one_parameter_at_a_time_and_every_gather_run
         yield
         whole_now.clear()
 
-    trainer = SimpleNamespace(
-        accelerator=SimpleNamespace(unwrap_model=lambda m: m),
-        model=model,
-        _dist=SimpleNamespace(is_zero3=True, gather_params=gather),
-    )
+    dist = SimpleNamespace(is_zero3=True, gather_params=gather)
     expected = model.state_dict()
-    with policy_tensors(trainer) as named_tensors:
+    with policy_tensors(model, dist) as named_tensors:
         got = {name: tensor.clone() for name, tensor in named_tensors}
     assert list(got) == list(expected)  # every entry, the tied lm_head included, in the state dict's order
     assert all(torch.equal(got[name], expected[name]) for name in expected)
@@ -180,7 +176,7 @@ def test_zero3_weights_are_gathered_one_parameter_at_a_time_and_every_gather_run
     # A consumer that stops early (a failed staging copy) still runs every gather: the other processes are in them.
     gathered.clear()
     with pytest.raises(RuntimeError, match="staging failed"):
-        with policy_tensors(trainer) as named_tensors:
+        with policy_tensors(model, dist) as named_tensors:
             next(named_tensors)
             raise RuntimeError("staging failed")
     assert len(gathered) == len(dict(model.named_parameters(remove_duplicate=False)))

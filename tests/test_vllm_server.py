@@ -184,7 +184,7 @@ def test_disk_sync_makes_the_server_match_the_trainers_weights(tmp_path, vllm_se
         for p in trainer.model.parameters():
             p.add_(0.05 * torch.randn_like(p))
     assert server_vs_trainer_logprob_error(backend, trainer, prompt) > 1e-2  # the server still has the old weights
-    with policy_tensors(trainer) as tensors:
+    with policy_tensors(trainer.model_wrapped, trainer._dist) as tensors:
         seconds = backend.load(backend.stage(tensors))
     assert seconds > 0
     assert server_vs_trainer_logprob_error(backend, trainer, prompt) < 1e-4

@@ -384,7 +384,7 @@ class VersionRecorder(TrainerCallback):
         per_version = args.steps_per_generation * args.num_iterations // args.gradient_accumulation_steps
         if state.global_step % per_version == 0:
             if self.trainer._dist.is_zero3:  # partitioned: gather the whole weights (a collective, every rank is here)
-                with policy_tensors(self.trainer) as tensors:
+                with policy_tensors(self.trainer.model_wrapped, self.trainer._dist) as tensors:
                     weights = {name: tensor.detach().clone() for name, tensor in tensors}
             else:
                 weights = {name: tensor.detach().clone() for name, tensor in self.trainer.model.state_dict().items()}

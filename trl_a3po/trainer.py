@@ -52,7 +52,8 @@ from .proximal import (
 )
 from .recording import BatchRecorder
 from .rollout import generate_with_behavior_logprobs
-from .rollout.async_rollout import AsyncRollout, GeneratedShare
+from .rollout.async_rollout import AsyncRollout, GeneratedShare, RolloutContext
+from .rollout.episodes import EpisodeRunner
 from .rollout.prompt_plan import PlanSource
 from .support import PEFT_ON_SHARDS, check_supported
 from .timing import ProxTimer
@@ -241,7 +242,22 @@ class A3POTrainer(GRPOTrainer):
         return result
 
     def _start_rollout(self) -> AsyncRollout | None:
-        return AsyncRollout(self, self._plan_source())
+        plays_episodes = bool(self.tools) or self.environment_factories is not None or self._user_rollout_func
+        episodes = (self, self.args.tool_timeout_s, self.args.max_concurrent_episodes)  # EpisodeRunner's arguments
+        return AsyncRollout(
+            RolloutContext(
+                args=self.args,
+                accelerator=self.accelerator,
+                plan_source=self._plan_source(),
+                policy=lambda: self.model_wrapped,
+                dist=self._dist,
+                generation_config=self.generation_config,
+                pad_token_id=self._tokenizer.pad_token_id,
+                eos_token_ids=list(self.eos_token_ids),
+                tokenize_prompts=lambda prompts: self._tokenize_prompts(prompts)[0],
+                episode_runner=functools.partial(EpisodeRunner, *episodes) if plays_episodes else None,
+            )
+        )
 
     def _plan_source(self) -> PlanSource:
         """What the producer's prompt plans read: the training dataloader's sampler, sizes and sharding."""
@@ -292,7 +308,8 @@ class A3POTrainer(GRPOTrainer):
                 "micro-step and optimizer-step counters disagree (a resume that changed the batch "
                 "layout?)"
             )
-        share = self._rollout.take(index, version)
+        # Nothing past the last batch the run trains is generated.
+        share = self._rollout.take(index, version, -(-self.state.max_steps // self._optimizer_steps_per_version) - 1)
         for key, value in share.stats.items():
             self._metrics["train"][key].append(value)
         return share
@@ -388,7 +405,7 @@ class A3POTrainer(GRPOTrainer):
         share = self._take_generated_batch() if self.args.async_generation and self.model.training else None
         try:
             self._scored_share = share
-            with self._rollout.scoring(share) if share is not None else contextlib.nullcontext():
+            with self._played_environments(share):
                 output = super()._generate_and_score_completions(inputs)
         finally:
             self._scored_share, self._skip_old_logp_forward = None, False
@@ -417,6 +434,20 @@ class A3POTrainer(GRPOTrainer):
             else torch.full(behav.shape, self.policy_version, dtype=torch.long, device=behav.device)  # just now
         )
         return output
+
+    @contextlib.contextmanager
+    def _played_environments(self, share: GeneratedShare | None):
+        """While TRL scores a share played in environments, TRL's pool is lent the played `reset` observations
+        (`GeneratedShare.played_environments`); once scored, the instances go back to the producer."""
+        if share is None or share.episodes is None or self.environment_factories is None:
+            yield
+            return
+        pool, self._environment_pool = self._environment_pool, share.played_environments(self.environment_factories)
+        try:
+            yield
+        finally:
+            self._environment_pool = pool
+            self._rollout.release_environments(share)
 
     def _recompute_prox_logps(self, batch) -> torch.Tensor:
         """Decoupled PPO's proximal log-probs: one no-grad forward of the current policy over the whole generation

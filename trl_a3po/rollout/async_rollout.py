@@ -16,7 +16,9 @@ from __future__ import annotations
 import contextlib
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from accelerate.utils import broadcast_object_list
@@ -86,6 +88,13 @@ class GeneratedShare:
             },
         }
 
+    def played_environments(self, names) -> dict:
+        """TRL's environment pool while this share is scored: TRL's preamble draws each row's instance from its pool
+        and calls `reset` on it; the producer played (and reset) the episodes on instances of its own already, so the
+        pool's slots return what the producer's `reset` returned, and TRL rebuilds the very prompts that were played.
+        The rewards then read the played instances (`A3POTrainer._calculate_rewards`)."""
+        return {name: _PlayedSlots([e for e in self.episodes if e.environment_name == name]) for name in names}
+
     def behavior_version(self, width: int, device) -> torch.Tensor:
         """(rows, width): each completion token's version; padding takes its row's last version (masked everywhere,
         and never a negative staleness)."""
@@ -99,27 +108,39 @@ class GeneratedShare:
         )
 
 
-class AsyncRollout:
-    """Generation ahead of `trainer` (an A3POTrainer) within its staleness bound; see the module's docstring."""
+@dataclass(frozen=True)
+class RolloutContext:
+    """What the asynchronous side reads of the training setup, handed in once by the trainer (`A3POTrainer.
+    _rollout_context`): nothing here reaches into the trainer itself."""
 
-    def __init__(self, trainer, plan_source: PlanSource):
-        self.trainer = trainer
-        self.plan_source = plan_source  # what the prompt plans read (`prompt_plan.py`)
-        self.args = trainer.args
-        self.accelerator = trainer.accelerator
+    args: Any  # the A3POConfig
+    accelerator: Any
+    plan_source: PlanSource  # what the prompt plans read (`prompt_plan.py`)
+    policy: Callable[[], Any]  # the live policy as Accelerate wraps it (wrapped once training starts: called then)
+    dist: Any  # TRL's DistributedBackend: which sharding, and its gathers
+    generation_config: Any  # TRL's sampling settings
+    pad_token_id: int
+    eos_token_ids: list[int]
+    tokenize_prompts: Callable[[list], list[list[int]]]  # TRL's: dataset prompts (text or messages) -> token ids
+    # Rows played as episodes (tools, environments, a rollout_func): builds the producer's `EpisodeRunner`
+    episode_runner: Callable[[], EpisodeRunner] | None = None
+
+
+class AsyncRollout:
+    """Generation ahead of the trainer within its staleness bound; see the module's docstring."""
+
+    def __init__(self, context: RolloutContext):
+        self.context = context
+        self.args = context.args
+        self.accelerator = context.accelerator
         # All fields below: the trainer's main thread only.
         self.queue: GenerationQueue | None = None  # on the processes that run a producer (`runs_producer`)
         self.bound: StalenessBound | None = None  # on every process, once started
         self.plans = None  # per process served: iterator over its future generation batches, in sampler order
         self.submitted = 0  # generation batches handed to the producer so far
         self.sends_adapter = False  # the vLLM server gets the LoRA adapter alone (lora_weight_sync)
-        self.plays_episodes = (
-            bool(trainer.tools)
-            or trainer.environment_factories is not None
-            or getattr(trainer, "_user_rollout_func", None) is not None
-        )
+        self.plays_episodes = context.episode_runner is not None
         self.entry = backend_entry(self.args.rollout_backend)  # how to build the generator, what it can do
-        self.current: GeneratedShare | None = None  # the share being scored (environments' recorded observations)
         self.last_take: float | None = None  # when the last `take` returned (perf_counter)
 
     @property
@@ -138,7 +159,7 @@ class AsyncRollout:
 
     def start(self, first_index: int) -> None:
         """Build the backend and the queue (on producer processes), start the producer, plan from `first_index` on."""
-        trainer = self.trainer
+        context = self.context
         self.bound = StalenessBound(self.args.max_staleness)
         self.submitted = first_index
         if not self.runs_producer:
@@ -146,10 +167,10 @@ class AsyncRollout:
         backend = self.entry.factory(
             BackendContext(
                 args=self.args,
-                model=self.accelerator.unwrap_model(trainer.model),
-                generation_config=trainer.generation_config,
-                pad_token_id=trainer._tokenizer.pad_token_id,
-                eos_token_ids=list(trainer.eos_token_ids),
+                model=self.accelerator.unwrap_model(context.policy()),
+                generation_config=context.generation_config,
+                pad_token_id=context.pad_token_id,
+                eos_token_ids=list(context.eos_token_ids),
                 device=self.accelerator.device,
             )
         )
@@ -160,11 +181,7 @@ class AsyncRollout:
             else [self.accelerator.process_index]
         )
         queue_class = ContinuousGenerationQueue if self.args.continuous_generation else GenerationQueue
-        episodes = (
-            EpisodeRunner(trainer, self.args.tool_timeout_s, self.args.max_concurrent_episodes)
-            if self.plays_episodes
-            else None
-        )
+        episodes = context.episode_runner() if self.plays_episodes else None
         self.queue = queue_class(
             backend,
             sync_every=self.args.weight_sync_steps,
@@ -173,7 +190,7 @@ class AsyncRollout:
             turn_weight_updates=self.args.turn_weight_updates,
         )
         self.queue.start()
-        self.plans = [generation_batches(self.plan_source, first_index, p) for p in served]
+        self.plans = [generation_batches(context.plan_source, first_index, p) for p in served]
 
     def close(self) -> None:
         queue, self.queue, self.plans = self.queue, None, None
@@ -186,10 +203,11 @@ class AsyncRollout:
 
     # ------------------------------------------------------------------ one call per training step
 
-    def take(self, index: int, version: int) -> GeneratedShare:
+    def take(self, index: int, version: int, last_index: int) -> GeneratedShare:
         """Batch `index`, this process's share, at the start of training step `index` (the live weights are version
-        `version`). Every process calls it at the same step: publishing sharded weights and handing out shares are
-        collectives. Its prompts are checked against the trainer's when TRL asks for them (`generated_turn`)."""
+        `version`; the run trains no batch past `last_index`: none is generated). Every process calls it at the same
+        step: publishing sharded weights and handing out shares are collectives. Its prompts are checked against the
+        trainer's when TRL asks for them (`generated_turn`)."""
         share = None
         try:
             if self.bound is None:
@@ -198,7 +216,7 @@ class AsyncRollout:
             # inside backward()), so the live weights are exactly version `index`. Publish them here, on the main
             # thread of every process (gathering sharded parameters is a collective), then hand the producer every
             # batch the staleness bound now allows.
-            dist = self.trainer._dist
+            dist = self.context.dist
             if self.queue is not None or dist.is_zero3 or dist.is_fsdp:  # the gather needs every process
                 with self._generator_tensors() as named_tensors:
                     if self.queue is not None:
@@ -206,7 +224,7 @@ class AsyncRollout:
                     # (a process without a producer takes part in the gathers by draining them on leaving)
             start = time.perf_counter()
             if self.queue is not None:
-                share = self._produce(index, version)
+                share = self._produce(index, version, last_index)
         except BaseException as error:
             if self.serves_other_processes and self.accelerator.is_main_process:
                 # Tell the other processes before raising (a failed start, probe, publish or generation), or they
@@ -219,7 +237,7 @@ class AsyncRollout:
                 raise shares
             if self.queue is not None:  # the other processes score copies of their environments (pickled)
                 for other in shares[: self.accelerator.process_index] + shares[self.accelerator.process_index + 1 :]:
-                    self._release_environments(other)
+                    self.release_environments(other)
             share = shares[self.accelerator.process_index]
         now = time.perf_counter()
         share.stats["a3po/queue/trainer_wait_s"] = now - start
@@ -228,12 +246,11 @@ class AsyncRollout:
         self.last_take = now
         return share
 
-    def _produce(self, index: int, version: int):
+    def _produce(self, index: int, version: int, last_index: int):
         """On a producer process: submit what the bound allows, take batch `index`, and cut it into one share per
         served process; the list of them when serving every process, else this process's share."""
         # Nothing past the last batch the run will train: generating it would only cost the generator time.
-        last_batch = -(-self.trainer.state.max_steps // self.trainer._optimizer_steps_per_version) - 1
-        while self.submitted <= min(self.bound.last_submittable(version), last_batch):
+        while self.submitted <= min(self.bound.last_submittable(version), last_index):
             planned = [next(plan) for plan in self.plans]  # (index, rows) per served process
             planned_index = planned[0][0]
             min_version = self.bound.min_version(planned_index)
@@ -241,9 +258,7 @@ class AsyncRollout:
                 self.queue.submit(planned_index, None, min_version, rows=[row for _, rows in planned for row in rows])
             else:
                 prompt_ids = [
-                    ids
-                    for _, rows in planned
-                    for ids in self.trainer._tokenize_prompts([r["prompt"] for r in rows])[0]
+                    ids for _, rows in planned for ids in self.context.tokenize_prompts([r["prompt"] for r in rows])
                 ]
                 self.queue.submit(planned_index, prompt_ids, min_version)
             self.submitted = planned_index + 1
@@ -281,37 +296,14 @@ class AsyncRollout:
             "a3po/episodes/versions_per_episode": sum(len(set(e.versions)) for e in episodes) / len(episodes),
         }
 
-    # ------------------------------------------------------------------ environments, while a share is scored
-
-    @contextlib.contextmanager
-    def scoring(self, share: GeneratedShare):
-        """While TRL scores `share` on the main thread: TRL's environment preamble draws each row's instance from its
-        pool and calls `reset` on it. The episodes were played (and reset) by the producer already, on instances of
-        its own, so TRL's pool is lent, for this call only, slots whose `reset` returns what the producer's reset
-        returned: TRL rebuilds the very prompts that were played. The rewards then read the played instances
-        (`A3POTrainer._calculate_rewards`), which go back to the producer's pool once scored."""
-        trainer = self.trainer
-        if share.episodes is None or trainer.environment_factories is None:
-            yield
+    def release_environments(self, share: GeneratedShare) -> None:
+        """Once `share` is scored: its episodes' environment instances go back to the producer's pool (a process
+        without a producer scored copies of them: nothing to give back)."""
+        if self.queue is None:
             return
-        self.current = share
-        pool = trainer._environment_pool
-        trainer._environment_pool = {name: _PlayedSlots(self, name) for name in trainer.environment_factories}
-        try:
-            yield
-        finally:
-            trainer._environment_pool, self.current = pool, None
-            if self.queue is not None:  # the producer's own instances (elsewhere: copies)
-                self._release_environments(share)
-
-    def _release_environments(self, share: GeneratedShare) -> None:
         for episode in share.episodes or []:
             if episode.environment is not None:
                 self.queue.release_environment(episode.environment_name, episode.environment)
-
-    def played_observation(self, name, position: int):
-        """The `reset` observation of the `position`-th row of environment `name` in the share being scored."""
-        return [e for e in self.current.episodes if e.environment_name == name][position].observation
 
     @contextlib.contextmanager
     def _generator_tensors(self):
@@ -320,32 +312,33 @@ class AsyncRollout:
         if self.sends_adapter:
             from peft import get_peft_model_state_dict
 
-            yield iter(get_peft_model_state_dict(self.accelerator.unwrap_model(self.trainer.model)).items())
+            yield iter(get_peft_model_state_dict(self.accelerator.unwrap_model(self.context.policy())).items())
         else:
-            with policy_tensors(self.trainer) as named_tensors:
+            with policy_tensors(self.context.policy(), self.context.dist) as named_tensors:
                 yield named_tensors
 
 
 class _PlayedSlots:
-    """TRL's environment pool for one name while a share is scored (`AsyncRollout.scoring`): TRL hands the `j`-th row
-    of that environment slot `j` (it creates an instance only when its cursor reaches the pool's length: never)."""
+    """TRL's environment pool for one name while a share is scored (`GeneratedShare.played_environments`): TRL hands
+    the `j`-th row of that environment slot `j` (it creates an instance only when its cursor reaches the pool's
+    length: never)."""
 
-    def __init__(self, rollout: AsyncRollout, name):
-        self._rollout, self._name = rollout, name
+    def __init__(self, episodes: list[Episode]):
+        self._episodes = episodes  # the share's episodes of this environment, in row order
 
     def __len__(self) -> int:
         return sys.maxsize
 
     def __getitem__(self, position: int) -> _PlayedEnvironment:
-        return _PlayedEnvironment(self._rollout, self._name, position)
+        return _PlayedEnvironment(self._episodes[position].observation)
 
 
 class _PlayedEnvironment:
     """Stands for a played episode's environment in TRL's preamble: its `reset` is the one the producer already made,
     returning the observation recorded then."""
 
-    def __init__(self, rollout: AsyncRollout, name, position: int):
-        self._rollout, self._name, self._position = rollout, name, position
+    def __init__(self, observation):
+        self._observation = observation
 
     def reset(self, **kwargs):
-        return self._rollout.played_observation(self._name, self._position)
+        return self._observation

@@ -8,18 +8,18 @@ import collections
 import contextlib
 from collections.abc import Iterator
 
-from accelerate.utils import is_peft_model
+from accelerate.utils import extract_model_from_parallel, is_peft_model
 
 
 @contextlib.contextmanager
-def policy_tensors(trainer) -> Iterator[Iterator[tuple]]:
-    """A trainer's whole policy weights as (name, tensor) pairs under plain HF names, sharing the live storage (the
-    queue stages a copy of each as it comes); LoRA adapters merged (W + scale * B @ A) without touching the live
-    model. With sharded parameters every process must take every pair, in step: gathering is a collective. Under
-    ZeRO-3 one parameter is gathered at a time (as TRL does for vLLM), so the whole model is never materialised on
-    top of its shards."""
-    model = trainer.accelerator.unwrap_model(trainer.model)
-    dist = trainer._dist  # TRL's DistributedBackend: which sharding, and its gathers
+def policy_tensors(policy, dist) -> Iterator[Iterator[tuple]]:
+    """The whole weights of `policy` (the model as Accelerate wraps it; `dist`: TRL's DistributedBackend, which
+    sharding and its gathers) as (name, tensor) pairs under plain HF names, sharing the live storage (the queue stages
+    a copy of each as it comes); LoRA adapters merged (W + scale * B @ A) without touching the live model. With
+    sharded parameters every process must take every pair, in step: gathering is a collective. Under ZeRO-3 one
+    parameter is gathered at a time (as TRL does for vLLM), so the whole model is never materialised on top of its
+    shards."""
+    model = extract_model_from_parallel(policy)
     if dist.is_zero3:  # (a PEFT model on sharded parameters is refused when the trainer is built)
         named_tensors = _gathered_one_by_one(model, dist.gather_params)
         try:
@@ -31,7 +31,7 @@ def policy_tensors(trainer) -> Iterator[Iterator[tuple]]:
     elif dist.fsdp_version == 1:
         from torch.distributed.fsdp import FullyShardedDataParallel
 
-        with FullyShardedDataParallel.summon_full_params(trainer.model_wrapped, writeback=False):
+        with FullyShardedDataParallel.summon_full_params(policy, writeback=False):
             yield iter(_hf_named_tensors(model).items())
     elif dist.fsdp_version == 2:
         yield iter(_hf_named_tensors(model, gather_dtensors=True).items())
