@@ -14,14 +14,14 @@ from testing_utils import (
     OBSERVATION,
     AddingEnvironment,
     DoublingEnvironment,
-    VersionRecorder,
     check_behaviour_logprobs_against_versions,
     free_port,
     launch,
     logged,
+    make_trainer,
     need_vllm_python,
     producer_threads,
-    record_trained_samples,
+    record_versions_and_samples,
     tool_model_saved,
     tool_question,
 )
@@ -98,21 +98,29 @@ def reward_prompts(recorded: list):
     return reward
 
 
+AGENTIC = dict(max_completion_length=128, learning_rate=1e-4, max_steps=8, temperature=1.0)  # over COMMON
+
+
 def config(tmp_path, **overrides):
-    values = {
-        **COMMON,
-        "max_completion_length": 128,
-        "learning_rate": 1e-4,
-        "max_steps": 8,
-        "output_dir": str(tmp_path),
-        "temperature": 1.0,
-        **overrides,
-    }
-    return A3POConfig(**values)
+    return A3POConfig(**{**COMMON, **AGENTIC, "output_dir": str(tmp_path), **overrides})
 
 
 def tool_dataset(n=16, **columns):
     return Dataset.from_dict({"prompt": [tool_question(i) for i in range(n)], **columns})
+
+
+def tool_trainer(tmp_path, model, tokenizer, tool, **config_kwargs) -> A3POTrainer:
+    """`make_trainer` with this file's config: episodes that call `tool` on the addition prompts (no reward that
+    matters)."""
+    return make_trainer(
+        tmp_path,
+        tokenizer,
+        tool_dataset(),
+        model=model,
+        reward=reward_prompts([]),
+        tools=[tool],
+        **{**AGENTIC, **config_kwargs},
+    )
 
 
 def newer_version_between_turns(trainer, monkeypatch):
@@ -150,18 +158,9 @@ def newer_version_between_turns(trainer, monkeypatch):
 def test_tools_are_played_ahead_with_a_version_per_token(tmp_path, tool_tokenizer, tool_model, monkeypatch, kind):
     calls = ToolCalls()
     tool = (sync_add if kind == "sync" else async_add)(calls)
-    trainer = A3POTrainer(
-        tool_model,
-        reward_prompts([]),
-        args=config(tmp_path),
-        train_dataset=tool_dataset(),
-        processing_class=tool_tokenizer,
-        tools=[tool],
-    )
+    trainer = tool_trainer(tmp_path, tool_model, tool_tokenizer, tool)
     assert trainer.args.async_generation  # A3POConfig's default
-    versions = VersionRecorder(trainer)
-    trainer.add_callback(versions)
-    samples = record_trained_samples(trainer)
+    versions, samples = record_versions_and_samples(trainer)
     newer_version_between_turns(trainer, monkeypatch)
     trainer.train()
     assert trainer.state.global_step == 8
@@ -225,14 +224,7 @@ def test_failed_tool_calls_are_counted_and_never_hang_the_producer(tmp_path, too
         if n % 3 == 2:
             release.wait(2)  # hangs past the timeout (then ends: a daemon thread nobody waits for)
 
-    trainer = A3POTrainer(
-        tool_model,
-        reward_prompts([]),
-        args=config(tmp_path, tool_timeout_s=0.3),
-        train_dataset=tool_dataset(),
-        processing_class=tool_tokenizer,
-        tools=[add_tool(misbehave)],
-    )
+    trainer = tool_trainer(tmp_path, tool_model, tool_tokenizer, add_tool(misbehave), tool_timeout_s=0.3)
     start = time.perf_counter()
     try:
         trainer.train()
@@ -308,14 +300,7 @@ def test_tool_calls_of_different_episodes_run_at_the_same_time(tmp_path, tool_to
                 met.append(threading.current_thread().name)
             inside[0] -= 1
 
-    trainer = A3POTrainer(
-        tool_model,
-        reward_prompts([]),
-        args=config(tmp_path, max_steps=4),
-        train_dataset=tool_dataset(),
-        processing_class=tool_tokenizer,
-        tools=[add_tool(meet)],
-    )
+    trainer = tool_trainer(tmp_path, tool_model, tool_tokenizer, add_tool(meet), max_steps=4)
     trainer.train()
     assert len(met) >= 2  # calls that found another call inside the tool at the same time
 
@@ -353,14 +338,7 @@ def test_a_failure_while_a_tool_runs_ends_train_fast_with_no_thread_left(
             running.set()
             threading.Event().wait(3)
 
-    trainer = A3POTrainer(
-        tool_model,
-        reward_prompts([]),
-        args=config(tmp_path, max_steps=16),
-        train_dataset=tool_dataset(),
-        processing_class=tool_tokenizer,
-        tools=[add_tool(slow_from_the_third_call)],
-    )
+    trainer = tool_trainer(tmp_path, tool_model, tool_tokenizer, add_tool(slow_from_the_third_call), max_steps=16)
     failing = _FailWhileAToolRuns(how, running)
     trainer.add_callback(failing)
     with pytest.raises(RuntimeError if how == "raise" else KeyboardInterrupt):
@@ -411,9 +389,7 @@ def test_episodes_on_the_vllm_server_carry_a_version_per_token(
         tools=[sync_add(calls)] if kind == "tools" else None,
         environment_factory=AddingEnvironment if kind == "environment" else None,
     )
-    versions = VersionRecorder(trainer)
-    trainer.add_callback(versions)
-    samples = record_trained_samples(trainer)
+    versions, samples = record_versions_and_samples(trainer)
     newer_version_between_turns(trainer, monkeypatch)
     trainer.train()
     assert trainer.state.global_step == 8
@@ -493,9 +469,7 @@ def test_a_rollout_func_runs_in_the_producer_with_its_version(tmp_path, tokenize
         processing_class=tokenizer,
         rollout_func=two_turn_rollout(calls),
     )
-    versions = VersionRecorder(trainer)
-    trainer.add_callback(versions)
-    samples = record_trained_samples(trainer)
+    versions, samples = record_versions_and_samples(trainer)
     trainer.train()
     assert trainer.state.global_step == 8
     assert calls and all(name == "a3po-producer" for name in calls)  # called ahead, never on the main thread

@@ -10,7 +10,6 @@ import pytest
 import torch
 from testing_utils import (
     COMMON,
-    VersionRecorder,
     check_behaviour_logprobs_against_versions,
     digit_reward,
     free_port,
@@ -20,6 +19,7 @@ from testing_utils import (
     make_trainer,
     producer_threads,
     record_trained_samples,
+    record_versions_and_samples,
     wait_for_the_next_version,
 )
 from transformers import TrainerCallback
@@ -43,6 +43,22 @@ class Recorder:
         return digit_reward(completions)
 
 
+def sync_and_async_runs(tmp_path, tokenizer, dataset, ahead=False, **kwargs) -> dict:
+    """The same run trained synchronously and asynchronously (`ahead`: the producer made to run two versions ahead):
+    per mode, (the prompts of each generation batch in scoring order, the trainer)."""
+    runs = {}
+    for mode in ("sync", "async"):
+        reward = Recorder()
+        trainer = make_trainer(
+            tmp_path / mode, tokenizer, dataset, reward=reward, async_generation=(mode == "async"), **kwargs
+        )
+        if ahead and mode == "async":
+            generate_two_versions_ahead(trainer)
+        trainer.train()
+        runs[mode] = (reward.prompts, trainer)
+    return runs
+
+
 def record_microbatches(trainer):
     """Record the prompt ids of every micro-batch the loss sees."""
     seen = []
@@ -61,21 +77,14 @@ def record_microbatches(trainer):
 def test_async_trains_the_synchronous_prompt_order_within_the_bound(
     tmp_path, tokenizer, prompt_dataset, steps_per_generation, max_staleness
 ):
-    runs = {}
-    for mode in ("sync", "async"):
-        reward = Recorder()
-        trainer = make_trainer(
-            tmp_path / mode,
-            tokenizer,
-            prompt_dataset,
-            reward=reward,
-            steps_per_generation=steps_per_generation,
-            max_steps=9 if steps_per_generation == 3 else 8,
-            async_generation=(mode == "async"),
-            max_staleness=max_staleness,
-        )
-        trainer.train()
-        runs[mode] = (reward.prompts, trainer)
+    runs = sync_and_async_runs(
+        tmp_path,
+        tokenizer,
+        prompt_dataset,
+        steps_per_generation=steps_per_generation,
+        max_steps=9 if steps_per_generation == 3 else 8,
+        max_staleness=max_staleness,
+    )
     assert runs["async"][0] == runs["sync"][0]  # same prompts, same batches, same order: nothing dropped or repeated
     trainer = runs["async"][1]
     eta = trainer.args.max_staleness
@@ -155,9 +164,7 @@ def test_every_sample_behaviour_logprobs_come_from_its_recorded_version(
         learning_rate=1e-2,
         async_generation=async_generation,
     )
-    versions = VersionRecorder(trainer)
-    trainer.add_callback(versions)
-    samples = record_trained_samples(trainer)
+    versions, samples = record_versions_and_samples(trainer)
     trainer.train()
     assert len(samples) == 12
     assert check_behaviour_logprobs_against_versions(trainer, versions, samples, atol=1e-5) == 12 * 4
@@ -205,9 +212,7 @@ def test_inflight_weight_updates_keep_every_token_on_its_recorded_version(
             inflight_weight_updates=mode == "inflight",
             continuous_generation=continuous and mode == "inflight",
         )
-        versions = VersionRecorder(trainer)
-        trainer.add_callback(versions)
-        samples = record_trained_samples(trainer)
+        versions, samples = record_versions_and_samples(trainer)
         trainer.train()
         runs[mode] = reward.prompts
     assert runs["inflight"] == runs["sync"]
@@ -336,25 +341,17 @@ def test_an_iterable_dataset_trains_asynchronously_in_the_synchronous_prompt_ord
     # A streamed dataset (TRL: buffered shuffle, repeats baked into the stream) has no sampler to replay: the producer
     # reads the stream ahead of the trainer, past the end of an epoch too (6 prompts, 1 or 2 per generation batch:
     # a reshuffled second epoch).
-    runs = {}
-    for mode in ("sync", "async"):
-        reward = Recorder()
-        trainer = make_trainer(
-            tmp_path / mode,
-            tokenizer,
-            prompt_dataset.select(range(6)).to_iterable_dataset(shards),
-            reward=reward,
-            steps_per_generation=steps_per_generation,
-            max_steps=10,
-            async_generation=(mode == "async"),
-        )
-        if mode == "async":
-            generate_two_versions_ahead(trainer)
-        trainer.train()
-        runs[mode] = ([sorted(set(prompts)) for prompts in reward.prompts], trainer)
-    prompts = runs["sync"][0]
+    runs = sync_and_async_runs(
+        tmp_path,
+        tokenizer,
+        prompt_dataset.select(range(6)).to_iterable_dataset(shards),
+        ahead=True,
+        steps_per_generation=steps_per_generation,
+        max_steps=10,
+    )
+    prompts, async_prompts = ([sorted(set(batch)) for batch in runs[mode][0]] for mode in ("sync", "async"))
     assert len(prompts) == 10 // steps_per_generation
-    assert runs["async"][0] == prompts  # same prompts, same batches, same order
+    assert async_prompts == prompts  # same prompts, same batches, same order
     epoch = 6 // steps_per_generation  # generation batches per epoch
     assert len(set(sum(prompts[:epoch], []))) == 6  # the first epoch: every prompt once
     assert prompts[epoch:] != prompts[: len(prompts) - epoch]  # the second epoch is reshuffled, and still followed
@@ -640,9 +637,7 @@ def test_a_cooled_sampler_keeps_every_token_on_its_recorded_version(tmp_path, to
         tmp_path, tokenizer, prompt_dataset, max_steps=8, learning_rate=1e-2, temperature=1.0, sampling_temperature=0.7
     )
     generate_two_versions_ahead(trainer)
-    versions = VersionRecorder(trainer)
-    trainer.add_callback(versions)
-    samples = record_trained_samples(trainer)
+    versions, samples = record_versions_and_samples(trainer)
     trainer.train()
     assert logged(trainer, "a3po/staleness/max") == [0, 1] + [2] * 6
     # the behaviour policy: the recorded version's weights at the sampler's temperature; the learner's is another one
@@ -721,9 +716,7 @@ def test_a_backend_defined_in_a_test_trains_asynchronously_through_the_registry(
             max_staleness=2,
             learning_rate=1e-2,
         )
-        versions = VersionRecorder(trainer)
-        trainer.add_callback(versions)
-        samples = record_trained_samples(trainer)
+        versions, samples = record_versions_and_samples(trainer)
         generate_two_versions_ahead(trainer)
         trainer.train()
     finally:

@@ -12,7 +12,7 @@ import math
 import pytest
 import testing_utils
 import torch
-from testing_utils import generate_two_versions_ahead, producer_threads
+from testing_utils import generate_two_versions_ahead, handmade_batch, loss_and_grads, producer_threads
 from trl import GRPOConfig, GRPOTrainer
 
 from trl_a3po import A3POConfig, A3POTrainer
@@ -48,45 +48,6 @@ def forward(trainer, batch):
     )
 
 
-def make_batch(trainer, seed=0, noise=0.15):
-    """A micro-batch as `_prepare_inputs` hands it to the loss; the anchor ("old" / behaviour log-probs) is the
-    current policy's log-probs off by noise, so ratios move away from 1 and the clip bites."""
-    g = torch.Generator().manual_seed(seed)
-    vocab = trainer.model.config.vocab_size
-    prompt_ids = torch.randint(5, vocab, (4, 5), generator=g)
-    prompt_mask = torch.ones_like(prompt_ids)
-    prompt_mask[0, :2] = 0
-    completion_ids = torch.randint(5, vocab, (4, 6), generator=g)
-    completion_mask = torch.ones_like(completion_ids)
-    completion_mask[1, 4:] = 0
-    completion_mask[3, 2:] = 0
-    batch = dict(
-        prompt_ids=prompt_ids,
-        prompt_mask=prompt_mask,
-        completion_ids=completion_ids,
-        completion_mask=completion_mask,
-        advantages=torch.tensor([1.0, -0.5, 0.25, -1.5]),
-        num_items_in_batch=completion_mask.sum(),
-        behavior_version=torch.zeros_like(completion_ids),
-    )
-    with torch.no_grad():
-        logp, _, _ = forward(trainer, batch)
-    anchor = logp + noise * torch.randn(logp.shape, generator=g)
-    batch.update(sampling_per_token_logps=anchor, old_per_token_logps=anchor)
-    if trainer.beta != 0.0:
-        batch["ref_per_token_logps"] = logp + noise * torch.randn(logp.shape, generator=g)
-    return batch
-
-
-def loss_and_grads(trainer, batch):
-    trainer.model.train()
-    trainer.model.zero_grad()
-    trainer.current_gradient_accumulation_steps = 1
-    loss = trainer._compute_loss(trainer.model, batch)
-    loss.backward()
-    return loss.detach(), torch.cat([p.grad.flatten() for p in trainer.model.parameters() if p.grad is not None])
-
-
 @pytest.mark.parametrize("method", ["loglinear", "recompute"])
 @pytest.mark.parametrize("case", CASES, ids=IDS)
 def test_at_staleness_0_the_decoupled_loss_is_grpotrainers(tmp_path, tokenizer, prompt_dataset, case, method):
@@ -95,7 +56,7 @@ def test_at_staleness_0_the_decoupled_loss_is_grpotrainers(tmp_path, tokenizer, 
         tmp_path / "a", tokenizer, prompt_dataset, A3POTrainer, A3POConfig, prox_logp_method=method, **case
     )
     a3po.model.load_state_dict(grpo.model.state_dict())
-    batch = make_batch(grpo)
+    batch = handmade_batch(grpo, behav_noise=0.15)
     if method == "recompute":  # the anchor a recompute forward would have given: the behaviour log-probs, at d = 0
         batch["prox_per_token_logps"] = batch["sampling_per_token_logps"]
     for step in (0, 1):  # two optimizer steps: the adaptive entropy coefficient moves after the first
@@ -189,7 +150,7 @@ def test_at_staleness_2_the_decoupled_loss_is_the_formula(tmp_path, tokenizer, p
         behav_imp_weight_cap=cap,
         **case,
     )
-    batch = make_batch(trainer, seed=1, noise=0.3)
+    batch = handmade_batch(trainer, seed=1)
     g = torch.Generator().manual_seed(2)
     if method == "recompute":  # a proximal forward of weights between the behaviour ones and the current ones
         recomputed = batch["sampling_per_token_logps"] + 0.1 * torch.randn(batch["completion_ids"].shape, generator=g)

@@ -5,7 +5,7 @@ import threading
 
 import pytest
 import torch
-from testing_utils import COMMON, digit_reward, logged, make_model, make_trainer
+from testing_utils import COMMON, digit_reward, handmade_batch, logged, loss_and_grads, make_model, make_trainer
 from transformers import GenerationConfig, Qwen2ForCausalLM
 from trl import GRPOConfig, GRPOTrainer
 
@@ -25,45 +25,6 @@ def count_logp_forwards(monkeypatch):
 
     monkeypatch.setattr(GRPOTrainer, "_get_per_token_logps_and_entropies", counted)
     return counts
-
-
-def handmade_batch(trainer, seed=0, behav_noise=0.3):
-    """A micro-batch as `_prepare_inputs` would hand it to the loss, with behaviour log-probs off by noise."""
-    g = torch.Generator().manual_seed(seed)
-    vocab = trainer.model.config.vocab_size
-    prompt_ids = torch.randint(5, vocab, (4, 5), generator=g)
-    prompt_mask = torch.ones_like(prompt_ids)
-    prompt_mask[0, :2] = 0
-    completion_ids = torch.randint(5, vocab, (4, 6), generator=g)
-    completion_mask = torch.ones_like(completion_ids)
-    completion_mask[1, 4:] = 0
-    completion_mask[3, 2:] = 0
-    with torch.no_grad():
-        logp, _, _ = trainer._get_per_token_logps_and_entropies(
-            trainer.model, torch.cat([prompt_ids, completion_ids], 1), torch.cat([prompt_mask, completion_mask], 1), 6
-        )
-    behav = logp + behav_noise * torch.randn(logp.shape, generator=g)
-    return {
-        "prompt_ids": prompt_ids,
-        "prompt_mask": prompt_mask,
-        "completion_ids": completion_ids,
-        "completion_mask": completion_mask,
-        "advantages": torch.tensor([1.0, -0.5, 0.25, -1.5]),
-        "num_items_in_batch": completion_mask.sum(),
-        "sampling_per_token_logps": behav,
-        "old_per_token_logps": behav,  # what GRPOTrainer reads
-        "behavior_version": torch.zeros_like(completion_ids),  # per completion token
-    }
-
-
-def loss_and_grads(trainer, batch):
-    trainer.model.train()
-    trainer.model.zero_grad()
-    trainer.current_gradient_accumulation_steps = 1
-    loss = trainer._compute_loss(trainer.model, batch)
-    loss.backward()
-    grads = torch.cat([p.grad.flatten() for p in trainer.model.parameters() if p.grad is not None])
-    return loss.detach(), grads
 
 
 @pytest.mark.parametrize("loss_type", ["dapo", "grpo", "bnpo", "dr_grpo"])

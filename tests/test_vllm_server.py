@@ -27,6 +27,7 @@ from testing_utils import (
     make_tokenizer,
     producer_threads,
     record_trained_samples,
+    record_versions_and_samples,
     require_deepspeed,
     vllm_python,
     wait_for_the_next_version,
@@ -93,8 +94,9 @@ def vllm_server(tmp_path_factory):
 
 
 @contextlib.contextmanager
-def another_server(vllm_server, env: dict, extra_args: tuple):
-    """Another `trl vllm-serve` of the same model, with `env` and `extra_args` on top of the shared ones."""
+def another_server(vllm_server, env: dict, extra_args: tuple, **server_kwargs):
+    """Another `trl vllm-serve` of the same model, with `env` and `extra_args` on top of the shared ones
+    (`server_kwargs`: `local_vllm_server`'s other options)."""
     port = free_port()
     workdir = Path(tempfile.mkdtemp(prefix="vllm-", dir="/tmp"))  # engine sockets: a short path
     with local_vllm_server(
@@ -106,6 +108,7 @@ def another_server(vllm_server, env: dict, extra_args: tuple):
         timeout_s=300,
         env={"HF_HUB_OFFLINE": "1", **env},
         extra_args=extra_args,
+        **server_kwargs,
     ):
         yield {**vllm_server, "port": port, "log": workdir / "server.log"}
     shutil.rmtree(workdir, ignore_errors=True)
@@ -232,9 +235,7 @@ def test_async_training_on_the_vllm_server_respects_the_bound(
         inflight_weight_updates=inflight,
         continuous_generation=continuous,
     )
-    versions = VersionRecorder(trainer)
-    trainer.add_callback(versions)
-    samples = record_trained_samples(trainer)
+    versions, samples = record_versions_and_samples(trainer)
     before = weight_pushes_logged(vllm_server)
     trainer.train()
     staleness = logged(trainer, "a3po/staleness/max")
@@ -343,23 +344,8 @@ def test_nccl_transport_has_one_communicator_and_one_packed_push_per_version(tmp
 def test_a_real_server_without_dev_mode_is_refused_before_the_first_step(tmp_path, vllm_server, prompt_dataset):
     # The README's server command once lacked VLLM_SERVER_DEV_MODE=1: the probe refuses such a server at the first
     # generation batch, naming the variable and the command, before any optimizer step or weight push.
-    port = free_port()
-    # a short work folder: vLLM's engine sockets live there, and a socket path may have at most 107 characters
-    workdir = Path(tempfile.mkdtemp(prefix="vllm-", dir="/tmp"))
-    with local_vllm_server(
-        vllm_python(),
-        str(vllm_server["model_dir"]),
-        port,
-        str(workdir),
-        max_model_len=512,
-        timeout_s=300,
-        env={"HF_HUB_OFFLINE": "1"},
-        dev_mode=False,
-        launcher="vllm",
-    ):
-        trainer = make_trainer(
-            tmp_path, {**vllm_server, "port": port}, prompt_dataset, max_steps=2, weight_sync_transport="disk"
-        )
+    with another_server(vllm_server, {}, (), dev_mode=False, launcher="vllm") as server:
+        trainer = make_trainer(tmp_path, server, prompt_dataset, max_steps=2, weight_sync_transport="disk")
         with pytest.raises(
             VLLMServerSetupError,
             match=r"started without VLLM_SERVER_DEV_MODE=1.*Restart it with "
@@ -367,8 +353,7 @@ def test_a_real_server_without_dev_mode_is_refused_before_the_first_step(tmp_pat
         ):
             trainer.train()
         assert trainer.state.global_step == 0
-        log = (workdir / "server.log").read_text()
-    shutil.rmtree(workdir, ignore_errors=True)
+        log = server["log"].read_text()
     assert '"GET /server_info?config_format=json HTTP/1.1" 404' in log
     assert "POST /collective_rpc" not in log and "POST /v1/completions" not in log
 
@@ -399,9 +384,7 @@ def test_a_server_started_with_an_api_key_trains_with_vllm_api_key(tmp_path, vll
             max_staleness=1,
             learning_rate=1e-2,
         )
-        versions = VersionRecorder(trainer)
-        trainer.add_callback(versions)
-        samples = record_trained_samples(trainer)
+        versions, samples = record_versions_and_samples(trainer)
         trainer.train()
         assert check_behaviour_logprobs_against_versions(trainer, versions, samples, atol=1e-3) == 4 * 4
         # vLLM guards /v1 with the key, not its development routes (the warning for servers beyond loopback)
@@ -467,9 +450,7 @@ def test_lora_adapter_sync_loads_one_adapter_per_version_and_never_the_base_weig
         processing_class=server["tokenizer"],
         peft_config=LoraConfig(**LORA),
     )
-    versions = VersionRecorder(trainer)
-    trainer.add_callback(versions)
-    samples = record_trained_samples(trainer)
+    versions, samples = record_versions_and_samples(trainer)
     trainer.train()
     traffic = adapter_traffic(server["log"].read_text())
     behaviour_versions = {int(v) for inputs in samples for v in inputs["behavior_version"].unique()}
@@ -510,9 +491,7 @@ def test_gspo_and_cispo_train_asynchronously_on_the_vllm_server(tmp_path, vllm_s
         tmp_path, vllm_server, prompt_dataset, max_steps=8, weight_sync_transport="disk", learning_rate=1e-2, **case
     )
     generate_two_versions_ahead(trainer)
-    versions = VersionRecorder(trainer)
-    trainer.add_callback(versions)
-    samples = record_trained_samples(trainer)
+    versions, samples = record_versions_and_samples(trainer)
     trainer.train()
     assert logged(trainer, "a3po/staleness/max") == [0, 1] + [2] * 6
     assert check_behaviour_logprobs_against_versions(trainer, versions, samples, atol=1e-3) == 8 * 4
@@ -533,9 +512,7 @@ def test_a_cooled_sampler_on_the_vllm_server_reports_the_cooled_logprobs(tmp_pat
         sampling_temperature=0.7,
     )
     generate_two_versions_ahead(trainer)
-    versions = VersionRecorder(trainer)
-    trainer.add_callback(versions)
-    samples = record_trained_samples(trainer)
+    versions, samples = record_versions_and_samples(trainer)
     trainer.train()
     assert logged(trainer, "a3po/staleness/max") == [0, 1] + [2] * 4
     # the behaviour policy: each recorded version's weights at the sampler's temperature
@@ -670,9 +647,7 @@ def check_every_replica_serves_the_pushed_version(tmp_path, server, prompt_datas
         with pytest.raises(VLLMServerSetupError, match=r"2 data-parallel replicas .* seed their samplers alike"):
             trainer.train()
         return
-    versions = VersionRecorder(trainer)
-    trainer.add_callback(versions)
-    samples = record_trained_samples(trainer)
+    versions, samples = record_versions_and_samples(trainer)
     finished = {}
 
     class CountAfterTheFirstVersions(TrainerCallback):

@@ -314,11 +314,13 @@ def make_trainer(
     model=None,
     reward=None,
     peft_config=None,
+    tools=None,
     **config,
 ):
     """The tests' one trainer factory: `config` over COMMON, the tiny model (`make_model`) unless `model` is given,
     `digit_reward` unless `reward` is; A3POTrainer / A3POConfig unless other classes are given (GRPOTrainer's, for
-    side-by-side checks). With a KL term TRL loads the reference model by name: the tiny model is saved first."""
+    side-by-side checks); `tools` as GRPOTrainer takes them. With a KL term TRL loads the reference model by name: the
+    tiny model is saved first."""
     from trl_a3po import A3POConfig, A3POTrainer
 
     args = (config_cls or A3POConfig)(output_dir=str(tmp_path), **{**COMMON, **config})
@@ -334,7 +336,52 @@ def make_trainer(
         train_dataset=dataset,
         processing_class=tokenizer,
         peft_config=peft_config,
+        tools=tools,
     )
+
+
+def handmade_batch(trainer, seed=0, behav_noise=0.3):
+    """A micro-batch as `_prepare_inputs` hands it to the loss; the behaviour (and GRPOTrainer's "old") log-probs are
+    the current policy's off by noise, so ratios move away from 1 and the clip bites; with a KL term, the reference's
+    too."""
+    g = torch.Generator().manual_seed(seed)
+    vocab = trainer.model.config.vocab_size
+    prompt_ids = torch.randint(5, vocab, (4, 5), generator=g)
+    prompt_mask = torch.ones_like(prompt_ids)
+    prompt_mask[0, :2] = 0
+    completion_ids = torch.randint(5, vocab, (4, 6), generator=g)
+    completion_mask = torch.ones_like(completion_ids)
+    completion_mask[1, 4:] = 0
+    completion_mask[3, 2:] = 0
+    with torch.no_grad():
+        logp, _, _ = trainer._get_per_token_logps_and_entropies(
+            trainer.model, torch.cat([prompt_ids, completion_ids], 1), torch.cat([prompt_mask, completion_mask], 1), 6
+        )
+    behav = logp + behav_noise * torch.randn(logp.shape, generator=g)
+    batch = {
+        "prompt_ids": prompt_ids,
+        "prompt_mask": prompt_mask,
+        "completion_ids": completion_ids,
+        "completion_mask": completion_mask,
+        "advantages": torch.tensor([1.0, -0.5, 0.25, -1.5]),
+        "num_items_in_batch": completion_mask.sum(),
+        "sampling_per_token_logps": behav,
+        "old_per_token_logps": behav,  # what GRPOTrainer reads
+        "behavior_version": torch.zeros_like(completion_ids),  # per completion token
+    }
+    if trainer.beta != 0.0:
+        batch["ref_per_token_logps"] = logp + behav_noise * torch.randn(logp.shape, generator=g)
+    return batch
+
+
+def loss_and_grads(trainer, batch):
+    """One micro-batch's training loss (no accumulation) and the gradient it leaves, flattened."""
+    trainer.model.train()
+    trainer.model.zero_grad()
+    trainer.current_gradient_accumulation_steps = 1
+    loss = trainer._compute_loss(trainer.model, batch)
+    loss.backward()
+    return loss.detach(), torch.cat([p.grad.flatten() for p in trainer.model.parameters() if p.grad is not None])
 
 
 def logged(trainer, key):
@@ -412,6 +459,14 @@ def record_trained_samples(
 
     trainer._compute_loss = recording
     return samples
+
+
+def record_versions_and_samples(trainer):
+    """What `check_behaviour_logprobs_against_versions` reads once `trainer` has trained: every version's weights
+    (a `VersionRecorder`, added as a callback) and every trained micro-batch (`record_trained_samples`)."""
+    versions = VersionRecorder(trainer)
+    trainer.add_callback(versions)
+    return versions, record_trained_samples(trainer)
 
 
 def check_behaviour_logprobs_against_versions(trainer, versions, samples, atol, temperature=None):
