@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from trl import GRPOConfig
 
 from .proximal import BEHAV_WEIGHT_LEVELS, BEHAV_WEIGHT_MODES, CLIPPED_LOSS_TYPES
-from .rollout.backend import backend_entry
+from .rollout.backend import DEFAULT_BACKEND, backend_entry
 
 
 PROX_LOGP_METHODS = ("loglinear", "recompute", "metrics")
@@ -488,7 +488,7 @@ class A3POConfig(GRPOConfig):
         if self.async_generation and self.use_vllm:
             self._generate_ahead_on_trls_vllm()
         if self.rollout_backend is None:
-            self.rollout_backend = "inprocess"
+            self.rollout_backend = DEFAULT_BACKEND
         backend = backend_entry(self.rollout_backend)  # (an unknown name: a ValueError listing the registered ones)
         if self.weight_sync_transport not in WEIGHT_SYNC_TRANSPORTS:
             raise ValueError(
@@ -515,14 +515,13 @@ class A3POConfig(GRPOConfig):
                 "inflight_weight_updates=True switches versions inside the producer's generations; it needs "
                 "async_generation=True. Set inflight_weight_updates=False."
             )
-        if self.generation_compile and (not self.async_generation or self.rollout_backend != "inprocess"):
+        if self.generation_compile and not (self.async_generation and backend.compiles_generation):
             raise ValueError(
                 "generation_compile=True compiles the in-process generator of asynchronous generation; here "
                 f"async_generation={self.async_generation}, rollout_backend={self.rollout_backend!r}. Leave "
                 "generation_compile=None (vLLM compiles its own steps; synchronous generation is TRL's HF generate)."
             )
-        if self.rollout_backend == "vllm_colocate":
-            self._refuse_what_the_colocated_engine_lacks()
+        backend.check_config(self)  # the backend's own refusals (the colocated engine's)
         for name, capable in (
             ("inflight_weight_updates", backend.inflight_updates),
             ("continuous_generation", backend.continuous_generation),
@@ -568,7 +567,7 @@ class A3POConfig(GRPOConfig):
                     "no structured-output constraint, so it would be ignored. Set async_generation=False with "
                     "use_vllm=True, or unset vllm_structured_outputs_regex."
                 )
-        elif self.rollout_backend != "inprocess":
+        elif self.rollout_backend != DEFAULT_BACKEND:
             raise ValueError(
                 f"rollout_backend={self.rollout_backend!r} is the asynchronous producer's; with "
                 "async_generation=False use TRL's own use_vllm=True, vllm_mode='server'."
@@ -588,36 +587,9 @@ class A3POConfig(GRPOConfig):
         self.rollout_backend = wanted
         self.use_vllm = False
 
-    def _refuse_what_the_colocated_engine_lacks(self):
-        refused = {
-            "inflight_weight_updates": (
-                self.inflight_weight_updates,
-                "switches versions inside a generation; the colocated engine loads a version between two "
-                "generations only. Set inflight_weight_updates=False, or use a vLLM server",
-            ),
-            "continuous_generation": (
-                self.continuous_generation,
-                "streams several batches as concurrent requests; the colocated engine generates one batch at a time. "
-                "Set continuous_generation=False, or use a vLLM server",
-            ),
-            "vllm_tensor_parallel_size": (
-                self.vllm_tensor_parallel_size != 1,
-                "splits the engine over several training processes, whose collectives the producer thread would run "
-                "beside the trainer's. Set vllm_tensor_parallel_size=1, or serve a tensor-parallel model with "
-                "`trl vllm-serve --tensor_parallel_size N` and vllm_mode='server'",
-            ),
-            "vllm_enable_sleep_mode": (
-                self.vllm_enable_sleep_mode,
-                "frees the engine's memory while the trainer steps, but generated ahead the engine works while the "
-                "trainer steps. Set vllm_enable_sleep_mode=False (lower vllm_gpu_memory_utilization to make room), or "
-                "async_generation=False for TRL's synchronous colocated vLLM",
-            ),
-        }
-        _refuse(refused, "with the colocated vLLM engine (vllm_mode='colocate'): ")
 
-
-def _refuse(table: dict[str, tuple[bool, str]], context: str = "") -> None:
+def _refuse(table: dict[str, tuple[bool, str]]) -> None:
     """Raise for the first field of `table` ({name: (refused, reason)}) that is refused, naming it and the reason."""
     for name, (refused, reason) in table.items():
         if refused:
-            raise ValueError(f"A3POConfig.{name}{' ' + context if context else ': '}{reason}.")
+            raise ValueError(f"A3POConfig.{name}: {reason}.")

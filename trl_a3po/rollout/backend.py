@@ -105,6 +105,9 @@ class BackendEntry:
     adapters: bool = False  # receives a LoRA adapter alone (lora_weight_sync='adapter')
     # With adapters: why it cannot serve a PEFT policy's adapters ({name: config}) as they are, or None
     unservable_adapter: Callable[[dict], str | None] = lambda peft_configs: None
+    compiles_generation: bool = False  # honours generation_compile (HF generate's compiled decode step)
+    # Its own refusals of A3POConfig's fields (run by A3POConfig's validation): raises ValueError naming the field
+    check_config: Callable[[Any], None] = lambda args: None
 
 
 def _inprocess(context: BackendContext):
@@ -140,19 +143,55 @@ def _unservable_by_vllm(peft_configs: dict) -> str | None:
     return adapter_unservable_reason(peft_configs)
 
 
+def _refuse_what_the_colocated_engine_lacks(args) -> None:
+    refused = {
+        "inflight_weight_updates": (
+            args.inflight_weight_updates,
+            "switches versions inside a generation; the colocated engine loads a version between two "
+            "generations only. Set inflight_weight_updates=False, or use a vLLM server",
+        ),
+        "continuous_generation": (
+            args.continuous_generation,
+            "streams several batches as concurrent requests; the colocated engine generates one batch at a time. "
+            "Set continuous_generation=False, or use a vLLM server",
+        ),
+        "vllm_tensor_parallel_size": (
+            args.vllm_tensor_parallel_size != 1,
+            "splits the engine over several training processes, whose collectives the producer thread would run "
+            "beside the trainer's. Set vllm_tensor_parallel_size=1, or serve a tensor-parallel model with "
+            "`trl vllm-serve --tensor_parallel_size N` and vllm_mode='server'",
+        ),
+        "vllm_enable_sleep_mode": (
+            args.vllm_enable_sleep_mode,
+            "frees the engine's memory while the trainer steps, but generated ahead the engine works while the "
+            "trainer steps. Set vllm_enable_sleep_mode=False (lower vllm_gpu_memory_utilization to make room), or "
+            "async_generation=False for TRL's synchronous colocated vLLM",
+        ),
+    }
+    for name, (refused_here, reason) in refused.items():
+        if refused_here:
+            raise ValueError(f"A3POConfig.{name} with the colocated vLLM engine (vllm_mode='colocate'): {reason}.")
+
+
 def _vllm_colocate(context: BackendContext):
     from .vllm_colocate import VLLMColocateBackend
 
     return VLLMColocateBackend.from_config(context.args, context.model, context.eos_token_ids, context.device)
 
 
+DEFAULT_BACKEND = "inprocess"
 _REGISTRY: dict[str, BackendEntry] = {
-    "inprocess": BackendEntry(_inprocess),
+    "inprocess": BackendEntry(_inprocess, compiles_generation=True),
     "vllm_server": BackendEntry(
         _vllm_server, serves_every_process=True, adapters=True, unservable_adapter=_unservable_by_vllm
     ),
     # vLLM's engine steps every request it holds: one request at a time, no stop between tokens for a version
-    "vllm_colocate": BackendEntry(_vllm_colocate, inflight_updates=False, continuous_generation=False),
+    "vllm_colocate": BackendEntry(
+        _vllm_colocate,
+        inflight_updates=False,
+        continuous_generation=False,
+        check_config=_refuse_what_the_colocated_engine_lacks,
+    ),
 }
 BUILTIN_BACKENDS = tuple(_REGISTRY)
 
