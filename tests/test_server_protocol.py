@@ -11,7 +11,7 @@ import torch
 from testing_utils import COMMON, digit_reward, make_model
 
 from trl_a3po import A3POConfig, A3POTrainer
-from trl_a3po.rollout import ProducerError
+from trl_a3po.rollout import ProducerError, weight_transport
 from trl_a3po.rollout import vllm_server as vllm_module
 from trl_a3po.rollout.policy_weights import _hf_named_tensors
 from trl_a3po.rollout.vllm_server import NCCLTransport, VLLMServerBackend, VLLMServerSetupError
@@ -120,7 +120,7 @@ def test_a_stalled_server_raises_within_vllm_server_timeout(tmp_path, tokenizer,
     ],
 )
 def test_the_start_up_probe_names_what_the_server_lacks(tmp_path, monkeypatch, server_kwargs, transport, message):
-    monkeypatch.setattr(vllm_module, "trainer_vllm_version", lambda: "0.31.0")
+    monkeypatch.setattr(weight_transport, "trainer_vllm_version", lambda: "0.31.0")
     args = A3POConfig(
         output_dir=str(tmp_path), rollout_backend="vllm_server", weight_sync_transport=transport, **COMMON
     )
@@ -154,7 +154,7 @@ def test_an_interrupted_request_keeps_the_tokens_received_and_cuts_each_row_at_i
 
 
 def test_nccl_needs_vllm_beside_the_trainer(tmp_path, monkeypatch):
-    monkeypatch.setattr(vllm_module, "trainer_vllm_version", lambda: None)
+    monkeypatch.setattr(weight_transport, "trainer_vllm_version", lambda: None)
     with StandinServer(weight_transfer={"backend": "nccl"}) as server:
         args = A3POConfig(
             output_dir=str(tmp_path),

@@ -181,11 +181,11 @@ elif mode.startswith("vllm"):
     if mode == "vllm-nccl-standin":
         import trl.generation.vllm_client
 
-        import trl_a3po.rollout.vllm_server as vllm_server
+        import trl_a3po.rollout.weight_transport as weight_transport
 
         trl.generation.vllm_client.VLLMClient = RecordingClient
         torch.cuda.current_device = lambda: 0  # what NCCLTransport asks for; no GPU here
-        vllm_server.trainer_vllm_version = lambda: "0.31.0"  # the server's release, as the trainer side would have
+        weight_transport.trainer_vllm_version = lambda: "0.31.0"  # the server's release, on the trainer side
         server["vllm_group_port"] = 51277
 else:
     model = make_model(tokenizer)

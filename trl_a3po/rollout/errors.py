@@ -22,6 +22,18 @@ class EpisodesStopped(BaseException):
     Exception of a tool as a failed call, lets it end the episode."""
 
 
+class VLLMServerUnreachable(ConnectionError):
+    """The vLLM server does not answer at its address."""
+
+
+class VLLMServerError(RuntimeError):
+    """The server refused a request, reported a failure, stalled, or broke the protocol; the message says which."""
+
+
+class VLLMServerSetupError(RuntimeError):
+    """The server (or the trainer's environment) lacks what the chosen weight transport needs."""
+
+
 _RAISED_BY = "_a3po_raised_by"  # on a user's exception: what of theirs raised it
 _NOTED = "_a3po_noted"
 
