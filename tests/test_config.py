@@ -223,5 +223,24 @@ def test_a_registered_backend_is_a_valid_rollout_backend_and_a_built_in_name_can
     register_backend("my_engine", lambda *a, **k: None)
     try:
         assert make(tmp_path, rollout_backend="my_engine").rollout_backend == "my_engine"
+        # What it cannot do is data: no compiled decode step unless its entry says so
+        with pytest.raises(ValueError, match=r"generation_compile=True compiles the in-process generator"):
+            make(tmp_path, rollout_backend="my_engine", generation_compile=True)
+    finally:
+        backend._REGISTRY.pop("my_engine")
+
+
+def test_a_registered_backends_own_config_check_runs_in_the_configs_validation(tmp_path):
+    from trl_a3po.rollout import backend, register_backend
+
+    def refuse_top_k(args):
+        if args.top_k:
+            raise ValueError("A3POConfig.top_k: my_engine samples without top-k. Set top_k=0.")
+
+    register_backend("my_engine", lambda *a, **k: None, check_config=refuse_top_k)
+    try:
+        assert make(tmp_path, rollout_backend="my_engine").top_k == 0
+        with pytest.raises(ValueError, match=r"A3POConfig.top_k: my_engine samples without top-k"):
+            make(tmp_path, rollout_backend="my_engine", top_k=5)
     finally:
         backend._REGISTRY.pop("my_engine")
