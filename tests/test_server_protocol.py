@@ -11,7 +11,7 @@ import torch
 from testing_utils import COMMON, digit_reward, make_model
 
 from trl_a3po import A3POConfig, A3POTrainer
-from trl_a3po.rollout import ProducerError, weight_transport
+from trl_a3po.rollout import ProducerError, vllm_probe, weight_transport
 from trl_a3po.rollout import vllm_server as vllm_module
 from trl_a3po.rollout.policy_weights import _hf_named_tensors
 from trl_a3po.rollout.vllm_server import NCCLTransport, VLLMServerBackend, VLLMServerSetupError
@@ -342,10 +342,10 @@ def test_a_data_parallel_replica_that_missed_a_push_stops_training_naming_it(tmp
 def test_a_server_beyond_loopback_with_open_dev_routes_is_named_once(tmp_path, monkeypatch, caplog):
     # vLLM checks an API key on /v1, /v2, /inference and /cohere only: with dev mode, its weight and RPC routes answer
     # anyone. Reached at an address other than loopback, the probe says so once, and how to close it.
-    assert vllm_module._is_loopback("127.0.0.1") and vllm_module._is_loopback("localhost")
-    assert not vllm_module._is_loopback("10.1.2.3") and not vllm_module._is_loopback("no-such-host.invalid")
+    assert vllm_probe._is_loopback("127.0.0.1") and vllm_probe._is_loopback("localhost")
+    assert not vllm_probe._is_loopback("10.1.2.3") and not vllm_probe._is_loopback("no-such-host.invalid")
     for beyond_loopback in (False, True):
-        monkeypatch.setattr(vllm_module, "_is_loopback", lambda host: not beyond_loopback)
+        monkeypatch.setattr(vllm_probe, "_is_loopback", lambda host: not beyond_loopback)
         caplog.clear()
         with StandinServer("ok") as server, caplog.at_level("WARNING", logger="trl_a3po.rollout.vllm_server"):
             transport = vllm_module.DiskTransport(str(tmp_path / "sync"))

@@ -12,16 +12,13 @@ failure handling: DESIGN.md, "The vLLM server".
 
 from __future__ import annotations
 
-import ipaddress
 import json
 import logging
 import os
 import shutil
-import socket
 import threading
 import time
 import uuid
-import warnings
 from urllib.parse import urlparse
 
 import requests
@@ -30,7 +27,8 @@ import torch
 from .backend import RolloutBackend
 from .errors import VLLMServerError, VLLMServerSetupError, VLLMServerUnreachable
 from .staging import NamedTensors, StagedWeights
-from .weight_transport import NCCL_FLAG, DiskTransport, NCCLTransport, WeightTransport, version_tuple
+from .vllm_probe import probe_server
+from .weight_transport import NCCL_FLAG, DiskTransport, NCCLTransport, WeightTransport
 
 
 logger = logging.getLogger(__name__)
@@ -46,11 +44,6 @@ SERVER_COMMAND = (
     "VLLM_SERVER_DEV_MODE=1 vllm serve MODEL --host 127.0.0.1 --port {port} --logprobs-mode processed_logprobs"
     + NCCL_FLAG
 )
-# The vLLM releases the real-server tests passed with (CI runs the newest; scripts/test_vllm_release.sh another).
-TESTED_RELEASES = ((0, 31), (0, 32))
-# From 0.32 data-parallel engines seed their samplers apart (seed, replica index); before, all alike. 0.32 also has
-# /weight_checker (per-replica checksums of the served weights).
-_DP_SEEDED_APART = _WEIGHT_CHECKER = (0, 32)
 
 
 def sampling_params(args, eos_token_ids: list[int]) -> dict:
@@ -69,13 +62,6 @@ def sampling_params(args, eos_token_ids: list[int]) -> dict:
         "stop_token_ids": eos_token_ids,
         **(args.generation_kwargs or {}),
     }
-
-
-def _is_loopback(host: str | None) -> bool:
-    try:
-        return ipaddress.ip_address(socket.gethostbyname(host or "localhost")).is_loopback
-    except (OSError, ValueError):
-        return False
 
 
 def adapter_unservable_reason(peft_configs: dict) -> str | None:
@@ -149,7 +135,7 @@ class VLLMServerBackend(RolloutBackend):
                 f"(docs/backends.md, 'vLLM server'): {self.server_command()}; or check vllm_server_host / "
                 "vllm_server_port / vllm_server_base_url."
             ) from error
-        self.model = self._request("reading the model list", "GET", "/v1/models")["data"][0]["id"]
+        self.model = self.request("reading the model list", "GET", "/v1/models")["data"][0]["id"]
         self.lora = lora  # None after the probe unless adapters are sent
         self._adapters: list[str] = []  # loaded on the server, oldest first; requests name the last
         # Each push labels the server's weights (vLLM's weight version) with this run's id and a push count; the
@@ -162,7 +148,10 @@ class VLLMServerBackend(RolloutBackend):
         # Data-parallel replicas whose weights are compared after each merged push (/weight_checker, vLLM >= 0.32);
         # 1: nothing to compare (a single engine, or a release without the route). Probed.
         self._checked_replicas = 1
-        self._probe()
+        facts = probe_server(self)
+        self._labels, self._checked_replicas = facts.labels, facts.checked_replicas
+        if not facts.adapters:
+            self.lora = None
         if self.lora is None:  # adapters travel through files: no communicator for them
             self.transport.connect(self)
 
@@ -223,14 +212,14 @@ class VLLMServerBackend(RolloutBackend):
                 self._sessions.append(session)
         return session
 
-    def _request(self, doing: str, method: str, path: str, **kwargs) -> dict:
+    def request(self, doing: str, method: str, path: str, **kwargs) -> dict:
         """One request; any failure becomes a `VLLMServerError` naming the server and what was being done."""
         try:
             response = self.session.request(method, f"{self.base_url}{path}", timeout=self.timeout, **kwargs)
         except requests.RequestException as error:
-            raise self._http_error(doing, error) from error
+            raise self.http_error(doing, error) from error
         if response.status_code == 401:
-            raise self._unauthorized(f"{method} {path}")
+            raise self.unauthorized(f"{method} {path}")
         if response.status_code != 200:
             raise VLLMServerError(
                 f"The vLLM server at {self.where} failed while {doing}: {method} {path} answered "
@@ -244,9 +233,9 @@ class VLLMServerBackend(RolloutBackend):
             return {"text": response.text}
 
     def post(self, path: str, payload: dict | None = None, doing: str | None = None) -> dict:
-        return self._request(doing or f"calling {path}", "POST", path, json=payload)
+        return self.request(doing or f"calling {path}", "POST", path, json=payload)
 
-    def _unauthorized(self, request: str) -> VLLMServerSetupError:
+    def unauthorized(self, request: str) -> VLLMServerSetupError:
         if self.api_key is None:
             return VLLMServerSetupError(
                 f"The vLLM server at {self.where} wants an API key ({request} answered 401: it was started with "
@@ -257,26 +246,7 @@ class VLLMServerBackend(RolloutBackend):
             "the key the server was started with."
         )
 
-    def _warn_if_dev_routes_open(self) -> None:
-        """A server beyond loopback whose development routes answer without the API key (vLLM checks the key only
-        on /v1, /v2, /inference and /cohere): say once what anyone reaching it can do, and how to close it."""
-        if _is_loopback(urlparse(self.base_url).hostname):
-            return
-        try:  # a request of its own, without the key
-            open_to_all = requests.get(f"{self.base_url}/server_info", timeout=self.timeout).status_code == 200
-        except requests.RequestException:
-            return
-        if open_to_all:
-            logger.warning(
-                "The vLLM server at %s answers its development routes without an API key (vLLM checks the key on /v1, "
-                "/v2, /inference and /cohere only): anyone who reaches that port can read its configuration "
-                "(/server_info), replace its weights and call methods in its workers (/collective_rpc, "
-                "/update_weights). Bind it to a private interface (`--host`), or put an authenticating proxy in "
-                "front of it.",
-                self.where,
-            )
-
-    def _http_error(self, doing: str, error: Exception) -> VLLMServerError:
+    def http_error(self, doing: str, error: Exception) -> VLLMServerError:
         if isinstance(error, requests.Timeout) or "timed out" in str(error).lower():
             return VLLMServerError(
                 f"The vLLM server at {self.where} sent nothing for {self.timeout[1]:.0f} s while {doing} "
@@ -286,105 +256,6 @@ class VLLMServerBackend(RolloutBackend):
         return VLLMServerError(
             f"The vLLM server at {self.where} went away while {doing} ({error.__class__.__name__}: {error})."
         )
-
-    def _probe(self) -> None:
-        """Check, before any weight is pushed, that the server was started the way this backend needs."""
-        try:
-            response = self.session.get(
-                f"{self.base_url}/server_info", params={"config_format": "json"}, timeout=self.timeout
-            )
-        except requests.RequestException as error:
-            raise self._http_error("probing /server_info", error) from error
-        if response.status_code == 404:
-            raise VLLMServerSetupError(
-                f"The vLLM server at {self.where} was started without VLLM_SERVER_DEV_MODE=1: its development routes "
-                f"({self.transport.needs}) answer 404, and the {self.transport.name} weight transfer needs them. "
-                f"Restart it with VLLM_SERVER_DEV_MODE=1 in its environment (`trl vllm-serve` sets it): "
-                f"{self.server_command()}"
-            )
-        if response.status_code != 200:
-            raise VLLMServerError(
-                f"The vLLM server at {self.where} failed /server_info: {response.status_code} {response.text[:500]}"
-            )
-        config = response.json()["vllm_config"]
-        logprobs_mode = (config.get("model_config") or {}).get("logprobs_mode")
-        if logprobs_mode != "processed_logprobs":
-            raise VLLMServerSetupError(
-                f"The vLLM server at {self.where} returns {logprobs_mode!r} log-probs; the behaviour policy is the "
-                "distribution it samples from (temperature, top-p, top-k applied). Restart it with --logprobs-mode "
-                f"processed_logprobs (`trl vllm-serve` adds it): {self.server_command()}"
-            )
-        server_version = self._request("reading its version", "GET", "/version").get("version", "unknown")
-        replicas = int((config.get("parallel_config") or {}).get("data_parallel_size") or 1)
-        self._check_release(server_version, replicas)
-        if self.lora is not None:
-            self._probe_lora(config, response.json().get("vllm_env") or {}, replicas)
-        if self.lora is None:  # whole weights move: the transport's own requirements
-            self.transport.check_server(self, config, server_version)
-        self._warn_if_dev_routes_open()
-        if self.session.get(f"{self.base_url}/weight_info", timeout=self.timeout).status_code == 404:
-            self._labels = False
-            warnings.warn(
-                f"The vLLM server at {self.where} (vLLM {server_version}) has no /weight_info route: a "
-                "restart of the server during training cannot be detected. Use vLLM >= 0.31.",
-                stacklevel=2,
-            )
-
-    def _check_release(self, server_version: str, replicas: int) -> None:
-        """The server's vLLM release against what this backend was tested with and what its `replicas`
-        (--data-parallel-size) do."""
-        try:
-            release = version_tuple(server_version)
-        except ValueError:
-            return  # a development build: nothing to compare
-        if replicas > 1 and release >= _WEIGHT_CHECKER:
-            self._checked_replicas = replicas
-        if replicas > 1 and release < _DP_SEEDED_APART:
-            # Before 0.32 every data-parallel engine seeded its sampler with the same seed: the copies of a prompt
-            # that the server's load balancer spreads over the replicas come back as one sample, twice.
-            raise VLLMServerSetupError(
-                f"The vLLM server at {self.where} runs {replicas} data-parallel replicas on vLLM {server_version}, "
-                "whose replicas seed their samplers alike: the num_generations copies of a prompt that land on "
-                "different replicas would be sampled identically. Use vLLM >= 0.32 (replicas seeded apart) on the "
-                "server, or restart it with --data-parallel-size 1."
-            )
-        if release > TESTED_RELEASES[-1]:
-            warnings.warn(
-                f"The vLLM server at {self.where} runs vLLM {server_version}; trl-a3po was tested with vLLM "
-                f"{', '.join('.'.join(map(str, r)) for r in TESTED_RELEASES)} (benchmarks/RESULTS.md, 'vLLM "
-                "releases'). Its routes are probed above; the in-flight behaviour of newer releases is not.",
-                stacklevel=3,
-            )
-
-    def _probe_lora(self, config: dict, env: dict, replicas: int) -> None:
-        rank = self.lora["config"].r
-        lora_config = config.get("lora_config") or {}
-        missing = []
-        if not lora_config:
-            missing.append("--enable-lora")
-        elif int(lora_config.get("max_lora_rank") or 0) < rank:
-            missing.append(f"--max-lora-rank {rank} (it has {lora_config.get('max_lora_rank')})")
-        if str(env.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "")).lower() not in ("true", "1"):
-            missing.append("VLLM_ALLOW_RUNTIME_LORA_UPDATING=True in its environment (adapters loaded at run time)")
-            if replicas > 1:
-                # vLLM refuses runtime LoRA loading behind several API servers, its default with data parallelism
-                missing.append("--api-server-count 1 (with --data-parallel-size)")
-        if not missing:
-            return
-        fix = ", ".join(missing)
-        if self.lora["sync"] == "adapter":
-            raise VLLMServerSetupError(
-                f"lora_weight_sync='adapter': the vLLM server at {self.where} cannot load LoRA adapters at run time. "
-                f"Restart it with {fix}: "
-                + self.server_command(
-                    "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True ", f" --enable-lora --max-lora-rank {max(rank, 8)}"
-                )
-                + "; or set lora_weight_sync='merged'."
-            )
-        logger.warning(
-            "lora_weight_sync='auto': sending merged weights, the vLLM server at %s lacks %s.", self.where, fix
-        )
-        self.lora = None
 
     # -------------------------------------------------------------- backend interface
 
@@ -455,7 +326,7 @@ class VLLMServerBackend(RolloutBackend):
     def _check_weights_unchanged(self, doing: str) -> None:
         if self._weight_label is None:
             return
-        held = self._request("reading its weight version", "GET", "/weight_info").get("weight_version")
+        held = self.request("reading its weight version", "GET", "/weight_info").get("weight_version")
         if held != self._weight_label:
             raise VLLMServerError(
                 f"The vLLM server at {self.where} holds weights labelled {held!r}, not the ones this run pushed "
@@ -525,7 +396,7 @@ class VLLMServerBackend(RolloutBackend):
                 f"{self.base_url}/v1/completions", json=payload, stream=True, timeout=self.timeout
             ) as response:
                 if response.status_code == 401:
-                    raise self._unauthorized("POST /v1/completions")
+                    raise self.unauthorized("POST /v1/completions")
                 if response.status_code != 200:
                     raise VLLMServerError(
                         f"The vLLM server at {self.where} refused /v1/completions: "
@@ -557,7 +428,7 @@ class VLLMServerBackend(RolloutBackend):
                         interrupted = True
                         break
         except requests.RequestException as error:
-            raise self._http_error(doing, error) from error
+            raise self.http_error(doing, error) from error
         self._check_weights_unchanged(doing)
         for row, (ids, lps) in enumerate(zip(completion_ids, logprobs)):
             if len(ids) != len(lps):
