@@ -283,9 +283,8 @@ def test_close_leaves_the_backend_open_under_a_producer_that_does_not_stop():
 def test_an_error_closing_the_queue_never_replaces_the_error_that_ended_training(
     tmp_path, tokenizer, prompt_dataset, monkeypatch
 ):
-    from testing_utils import COMMON, digit_reward, make_model
+    from testing_utils import make_trainer
 
-    from trl_a3po import A3POConfig, A3POTrainer
     from trl_a3po.rollout import InProcessBackend
 
     def failing_close(self):
@@ -295,14 +294,7 @@ def test_an_error_closing_the_queue_never_replaces_the_error_that_ended_training
         raise RuntimeError("the error that ended training")
 
     monkeypatch.setattr(InProcessBackend, "close", failing_close)
-    args = A3POConfig(output_dir=str(tmp_path), **{**COMMON, "max_steps": 2})
-    trainer = A3POTrainer(
-        model=make_model(tokenizer),
-        reward_funcs=digit_reward,
-        args=args,
-        train_dataset=prompt_dataset,
-        processing_class=tokenizer,
-    )
+    trainer = make_trainer(tmp_path, tokenizer, prompt_dataset, max_steps=2)
     monkeypatch.setattr(trainer, "_compute_loss", failing_step)
     with (
         pytest.warns(RuntimeWarning, match="closing the generation queue also failed: OSError"),

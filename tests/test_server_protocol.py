@@ -8,7 +8,7 @@ import warnings
 
 import pytest
 import torch
-from testing_utils import COMMON, digit_reward, make_model
+from testing_utils import COMMON, digit_reward, make_model, make_trainer
 
 from trl_a3po import A3POConfig, A3POTrainer
 from trl_a3po.rollout import ProducerError, vllm_probe, weight_transport
@@ -20,19 +20,17 @@ from standin_server import StandinServer
 
 
 def train_against(server, tmp_path, tokenizer, dataset, **kwargs):
-    args = A3POConfig(
-        output_dir=str(tmp_path),
-        rollout_backend="vllm_server",
-        vllm_server_port=server.port,
-        weight_sync_transport="disk",
-        **{**COMMON, "max_steps": 2, **kwargs},
-    )
-    trainer = A3POTrainer(
-        model=make_model(tokenizer),
-        reward_funcs=digit_reward,
-        args=args,
-        train_dataset=dataset,
-        processing_class=tokenizer,
+    trainer = make_trainer(
+        tmp_path,
+        tokenizer,
+        dataset,
+        **{
+            "rollout_backend": "vllm_server",
+            "vllm_server_port": server.port,
+            "weight_sync_transport": "disk",
+            "max_steps": 2,
+            **kwargs,
+        },
     )
     trainer.train()
     return trainer

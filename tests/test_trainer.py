@@ -258,14 +258,14 @@ def test_nan_behaviour_logprob_names_the_sample(tmp_path, tokenizer, prompt_data
 def test_lora_training(tmp_path, tokenizer, prompt_dataset, monkeypatch):
     from peft import LoraConfig
 
-    args = A3POConfig(output_dir=str(tmp_path), steps_per_generation=2, max_steps=2, async_generation=False, **COMMON)
-    trainer = A3POTrainer(
-        model=make_model(tokenizer),
-        reward_funcs=digit_reward,
-        args=args,
-        train_dataset=prompt_dataset,
-        processing_class=tokenizer,
+    trainer = make_trainer(
+        tmp_path,
+        tokenizer,
+        prompt_dataset,
         peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0),
+        steps_per_generation=2,
+        max_steps=2,
+        async_generation=False,
     )
     counts = count_logp_forwards(monkeypatch)
     lora_b = {n: p for n, p in trainer.model.named_parameters() if "lora_B" in n}
@@ -449,13 +449,8 @@ def test_a_reward_function_logging_a_metric_trains(tmp_path, tokenizer, prompt_d
         logged_values.append(max(rewards))
         return rewards
 
-    args = A3POConfig(output_dir=str(tmp_path), **{**COMMON, "max_steps": 2, "use_decoupled_loss": decoupled})
-    trainer = A3POTrainer(
-        model=make_model(tokenizer),
-        reward_funcs=reward_with_metric,
-        args=args,
-        train_dataset=prompt_dataset,
-        processing_class=tokenizer,
+    trainer = make_trainer(
+        tmp_path, tokenizer, prompt_dataset, reward=reward_with_metric, max_steps=2, use_decoupled_loss=decoupled
     )
     trainer.train()
     assert logged(trainer, "digit_share_max") == pytest.approx(logged_values) and len(logged_values) == 2
