@@ -16,7 +16,6 @@ import requests
 import torch
 from testing_utils import (
     COMMON,
-    VersionRecorder,
     check_behaviour_logprobs_against_versions,
     check_ranks_follow_the_synchronous_shards,
     digit_reward,
@@ -26,7 +25,6 @@ from testing_utils import (
     logged,
     make_tokenizer,
     producer_threads,
-    record_trained_samples,
     record_versions_and_samples,
     require_deepspeed,
     vllm_python,
@@ -94,10 +92,10 @@ def vllm_server(tmp_path_factory):
 
 
 @contextlib.contextmanager
-def another_server(vllm_server, env: dict, extra_args: tuple, **server_kwargs):
-    """Another `trl vllm-serve` of the same model, with `env` and `extra_args` on top of the shared ones
-    (`server_kwargs`: `local_vllm_server`'s other options)."""
-    port = free_port()
+def another_server(vllm_server, env: dict, extra_args: tuple, port: int | None = None, **server_kwargs):
+    """Another `trl vllm-serve` of the same model (on `port`, else a free one), with `env` and `extra_args` on top of
+    the shared ones (`server_kwargs`: `local_vllm_server`'s other options)."""
+    port = port or free_port()
     workdir = Path(tempfile.mkdtemp(prefix="vllm-", dir="/tmp"))  # engine sockets: a short path
     with local_vllm_server(
         vllm_python(),
@@ -565,24 +563,13 @@ def test_a_server_restarted_mid_run_never_trains_a_mislabelled_sample(tmp_path, 
     # recorded version; or training stops with a ProducerError naming the server (gone, or holding weights this run
     # did not push). The module's main server is the one killed; its restart runs in a folder of its own.
     port = vllm_server["port"]
-    workdir = Path(tempfile.mkdtemp(prefix="vllm-", dir="/tmp"))  # engine sockets: a short path
-    restarted = contextlib.ExitStack()
+    restarted, restart = contextlib.ExitStack(), {}
 
     class RestartAfterFirstStep(TrainerCallback):
         def on_step_end(self, args, state, control, **kwargs):
             if state.global_step == 1:
                 kill_server_group(port)
-                restarted.enter_context(
-                    local_vllm_server(
-                        vllm_python(),
-                        str(vllm_server["model_dir"]),
-                        port,
-                        str(workdir),
-                        max_model_len=512,
-                        timeout_s=300,
-                        env={"HF_HUB_OFFLINE": "1"},
-                    )
-                )
+                restart.update(restarted.enter_context(another_server(vllm_server, {}, (), port=port)))
 
     with restarted:
         trainer = make_trainer(
@@ -595,17 +582,14 @@ def test_a_server_restarted_mid_run_never_trains_a_mislabelled_sample(tmp_path, 
             weight_sync_transport="disk",
             learning_rate=1e-2,
         )
-        versions = VersionRecorder(trainer)
-        trainer.add_callback(versions)
+        versions, samples = record_versions_and_samples(trainer)
         trainer.add_callback(RestartAfterFirstStep())
-        samples = record_trained_samples(trainer)
         try:
             trainer.train()
             failure = None
         except ProducerError as error:
             failure = str(error)
-        log = (workdir / "server.log").read_text()
-    shutil.rmtree(workdir, ignore_errors=True)
+        log = restart["log"].read_text()
     print(f"restart outcome: {failure or 'recovered: a push before the first completion'}")  # pytest -s
     if failure is None:
         assert trainer.state.global_step == 5
