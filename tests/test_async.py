@@ -724,6 +724,8 @@ def test_the_asynchronous_side_runs_from_its_context_alone(tmp_path, tokenizer):
     """`AsyncRollout` reads a `RolloutContext`, not a trainer: built here from plain parts (no trainer at all), it
     hands out batches in the sampler's order, each token tagged with a version within the bound whose weights give
     its behaviour log-prob."""
+    from types import SimpleNamespace
+
     from accelerate import Accelerator
     from torch.utils.data import SequentialSampler
     from transformers import GenerationConfig
@@ -756,7 +758,7 @@ def test_the_asynchronous_side_runs_from_its_context_alone(tmp_path, tokenizer):
             accelerator=Accelerator(cpu=True),
             plan_source=source,
             policy=lambda: model,
-            dist=type("NotSharded", (), {"is_zero3": False, "is_fsdp": False, "fsdp_version": None})(),
+            dist=SimpleNamespace(is_zero3=False, is_fsdp=False, fsdp_version=None),  # not sharded
             generation_config=GenerationConfig(do_sample=True, top_k=0, top_p=1.0, temperature=1.0, max_new_tokens=6),
             pad_token_id=tokenizer.pad_token_id,
             eos_token_ids=[tokenizer.eos_token_id],

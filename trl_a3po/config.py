@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from trl import GRPOConfig
 
 from .proximal import BEHAV_WEIGHT_LEVELS, BEHAV_WEIGHT_MODES, CLIPPED_LOSS_TYPES
-from .rollout.backend import DEFAULT_BACKEND, backend_entry
+from .rollout.backend import DEFAULT_BACKEND, backend_entry, refuse_fields
 
 
 PROX_LOGP_METHODS = ("loglinear", "recompute", "metrics")
@@ -414,7 +414,7 @@ class A3POConfig(GRPOConfig):
                 "dual_clip_c the loss at c*|A|, the same bound with c = delta); set only one of them",
             ),
         }
-        _refuse(unsupported)
+        refuse_fields(unsupported)
 
     def _refuse_non_sampling_generation_kwargs(self):
         """generation_kwargs that make the generator return something else than one sampled completion per prompt
@@ -586,10 +586,3 @@ class A3POConfig(GRPOConfig):
             )
         self.rollout_backend = wanted
         self.use_vllm = False
-
-
-def _refuse(table: dict[str, tuple[bool, str]]) -> None:
-    """Raise for the first field of `table` ({name: (refused, reason)}) that is refused, naming it and the reason."""
-    for name, (refused, reason) in table.items():
-        if refused:
-            raise ValueError(f"A3POConfig.{name}: {reason}.")

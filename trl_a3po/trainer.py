@@ -243,7 +243,10 @@ class A3POTrainer(GRPOTrainer):
 
     def _start_rollout(self) -> AsyncRollout | None:
         plays_episodes = bool(self.tools) or self.environment_factories is not None or self._user_rollout_func
-        episodes = (self, self.args.tool_timeout_s, self.args.max_concurrent_episodes)  # EpisodeRunner's arguments
+
+        def episode_runner() -> EpisodeRunner:
+            return EpisodeRunner(self, self.args.tool_timeout_s, self.args.max_concurrent_episodes)
+
         return AsyncRollout(
             RolloutContext(
                 args=self.args,
@@ -255,7 +258,7 @@ class A3POTrainer(GRPOTrainer):
                 pad_token_id=self._tokenizer.pad_token_id,
                 eos_token_ids=list(self.eos_token_ids),
                 tokenize_prompts=lambda prompts: self._tokenize_prompts(prompts)[0],
-                episode_runner=functools.partial(EpisodeRunner, *episodes) if plays_episodes else None,
+                episode_runner=episode_runner if plays_episodes else None,
             )
         )
 
@@ -399,12 +402,13 @@ class A3POTrainer(GRPOTrainer):
         """TRL's scored generation batch (generated now, or the producer's), with each completion token's
         `behavior_version`."""
         decoupled = self.args.use_decoupled_loss  # GRPOTrainer's own loss reads the "old" log-probs
-        self._skip_old_logp_forward = decoupled and (
-            self.args.gradient_accumulation_steps % self._micro_steps_per_generation != 0
-        )
-        share = self._take_generated_batch() if self.args.async_generation and self.model.training else None
+        share = None
         try:
-            self._scored_share = share
+            if self.args.async_generation and self.model.training:
+                share = self._scored_share = self._take_generated_batch()
+            self._skip_old_logp_forward = decoupled and (
+                self.args.gradient_accumulation_steps % self._micro_steps_per_generation != 0
+            )
             with self._played_environments(share):
                 output = super()._generate_and_score_completions(inputs)
         finally:

@@ -110,8 +110,8 @@ class GeneratedShare:
 
 @dataclass(frozen=True)
 class RolloutContext:
-    """What the asynchronous side reads of the training setup, handed in once by the trainer (`A3POTrainer.
-    _rollout_context`): nothing here reaches into the trainer itself."""
+    """What the asynchronous side reads of the training setup, handed in once by the trainer
+    (`A3POTrainer._start_rollout`): nothing here reaches into the trainer itself."""
 
     args: Any  # the A3POConfig
     accelerator: Any

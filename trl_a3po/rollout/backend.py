@@ -143,6 +143,14 @@ def _unservable_by_vllm(peft_configs: dict) -> str | None:
     return adapter_unservable_reason(peft_configs)
 
 
+def refuse_fields(table: dict[str, tuple[bool, str]], context: str = "") -> None:
+    """Raise for the first field of `table` ({name: (refused, reason)}) that is refused, naming it and the reason
+    (A3POConfig's refusals and a backend's own `check_config`)."""
+    for name, (refused, reason) in table.items():
+        if refused:
+            raise ValueError(f"A3POConfig.{name}{' ' + context if context else ': '}{reason}.")
+
+
 def _refuse_what_the_colocated_engine_lacks(args) -> None:
     refused = {
         "inflight_weight_updates": (
@@ -168,9 +176,7 @@ def _refuse_what_the_colocated_engine_lacks(args) -> None:
             "async_generation=False for TRL's synchronous colocated vLLM",
         ),
     }
-    for name, (refused_here, reason) in refused.items():
-        if refused_here:
-            raise ValueError(f"A3POConfig.{name} with the colocated vLLM engine (vllm_mode='colocate'): {reason}.")
+    refuse_fields(refused, "with the colocated vLLM engine (vllm_mode='colocate'): ")
 
 
 def _vllm_colocate(context: BackendContext):
