@@ -10,20 +10,24 @@ recompute intervals came out 5-20x wider than the difference in question. Here t
                   prox_logp_method=recompute at max_staleness D, recording every generation batch it trains on
                   (`--record_generation_batches`; `trl_a3po/recording.py` has the format). Kept, with the run's log
                   and greedy accuracy, in `benchmarks/runs/replay/streams/dD-sSEED/` (the recording is ~3 MB).
-  replay:D:SEED:ANCHOR
-                  two learners trained on that stream by `ReplayTrainer`, from the base model: recompute's and
-                  ANCHOR's (loglinear, rollout, linear: `trl_a3po.replay.ANCHORS`), in lockstep: one process per
-                  learner, one training at a time, each stopped after every optimizer step while this process
-                  compares them: the KL between their next-token distributions on a fixed held-out set (both
+  replay:D:SEED:ANCHORS
+                  learners trained on that stream by `ReplayTrainer`, from the base model: recompute's and each of
+                  ANCHORS's (`+`-joined: loglinear, rollout, linear; `trl_a3po.replay.ANCHORS`), in lockstep: one
+                  process per learner, one training at a time, each stopped after every optimizer step while this
+                  process compares them: the KL between their next-token distributions on a fixed held-out set (both
                   directions, nats per token) and the cosine between their updates (this step's change of all
-                  weights). Then both learners' greedy accuracy on the 200 held-out problems. Two learners per job, so
-                  that a job fits one session (~1 h; four at once took ~2.3 h). The recompute learner is replayed in
-                  every job (the same on one machine; compared only within its job).
+                  weights). Then every learner's greedy accuracy on the 200 held-out problems. The study's jobs are
+                  loglinear+rollout per stream (three learners, ~1.7 h alone), then linear's: one recompute learner
+                  serves both comparisons (a replay is deterministic: on one machine and thread count, the recompute
+                  learner of every job is the same, bit for bit). Each anchor's results, with the recompute learner's, in
                   `benchmarks/runs/replay/replays/dD-sSEED/ANCHOR/`.
   scale:D         for scale, the same KL between closed-loop runs of one method with different seeds: the recompute
                   replays of the streams of seeds 0 and 1 at D, in lockstep (each reproduces its closed-loop recording
                   run up to float rounding: a replay of the recorded anchor is that run, bit for bit, when its thread
                   count matches; tests/test_replay.py). `benchmarks/runs/replay/scale/dD/`.
+Resumable: a finished job is skipped; an unfinished replay or scale job continues from the last generation batch
+every learner checkpointed in outputs/replay/ (bit for bit, tests/test_replay.py), or starts over where there is none
+(a fresh machine).
 The held-out set for the KL: the first 32 held-out problems, each with one completion the base model sampled once
 (32 tokens, temperature 1, seed 0; `heldout.pt`), teacher-forced: KL over the next-token distribution at each of
 its tokens.
@@ -74,16 +78,45 @@ def stream_name(d: int, seed: int) -> str:
 
 
 def all_jobs() -> list[str]:
-    """Staleness-major from the largest; within one: the streams, the two comparisons the study is for (loglinear,
-    rollout), the seed-to-seed scale, then linear. Each job fits one working session of this machine (about an hour;
-    a recording up to ~1.5 h on a slow one): nothing of a job survives the machine, only finished jobs' results."""
+    """Staleness-major from the largest; within one: the streams, then each stream's replay of the two anchors the
+    study is for (loglinear, rollout: one job, three learners), then the seed-to-seed scale. Linear's replays come
+    after every staleness's: the table needs the others first."""
     jobs = []
     for d in STALENESS:
         jobs += [f"record:{d}:{seed}" for seed in SEEDS]
-        jobs += [f"replay:{d}:{seed}:{anchor}" for anchor in ("loglinear", "rollout") for seed in SEEDS]
+        jobs += [f"replay:{d}:{seed}:loglinear+rollout" for seed in SEEDS]
         jobs.append(f"scale:{d}")
+    for d in STALENESS:
         jobs += [f"replay:{d}:{seed}:linear" for seed in SEEDS]
     return jobs
+
+
+def parse_job(job: str) -> tuple[str, int, list]:
+    """`record:D:SEED`, `replay:D:SEED:ANCHOR[+ANCHOR...]` or `scale:D` -> (kind, D, the rest), or an error naming
+    what is wrong."""
+    kind, *parts = job.split(":")
+    shapes = {"record": 2, "replay": 3, "scale": 1}
+    if kind not in shapes or len(parts) != shapes[kind] or not all(p.isdigit() for p in parts[:2]):
+        raise SystemExit(f"{job}: not a job of this study; jobs look like {' '.join(all_jobs()[:5])} ...")
+    d, rest = int(parts[0]), [int(p) for p in parts[1:2]]
+    if kind == "replay":
+        replayed = parts[2].split("+")
+        unknown = [a for a in replayed if a not in anchors() or a == RECORDED_METHOD]
+        if unknown:
+            others = [a for a in anchors() if a != RECORDED_METHOD]
+            raise SystemExit(f"{job}: {', '.join(unknown)}? The anchors to replay beside {RECORDED_METHOD}: {others}")
+        rest.append(replayed)
+    return kind, d, rest
+
+
+def result_folders(out: str, kind: str, d: int, rest: list) -> list[str]:
+    """Where a job keeps its results; it is finished when each has a result.json (written last)."""
+    if kind == "record":
+        return [os.path.join(out, "streams", stream_name(d, rest[0]))]
+    if kind == "replay":
+        seed, replayed = rest
+        return [os.path.join(out, "replays", stream_name(d, seed), anchor) for anchor in replayed]
+    return [os.path.join(out, "scale", f"d{d}")]
 
 
 # ---------------------------------------------------------------------------------------------- record
@@ -170,6 +203,7 @@ def learner_main(spec: dict, conn) -> None:
         from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
 
         from trl_a3po import load_gsm8k
+        from trl_a3po.recording import Recording
         from trl_a3po.replay import ReplayTrainer, replay_config
 
         torch.set_num_threads(spec["threads"])
@@ -201,12 +235,21 @@ def learner_main(spec: dict, conn) -> None:
             tokenizer.pad_token = tokenizer.eos_token
         model = AutoModelForCausalLM.from_pretrained(spec["base_model"], dtype=torch.float32)
         dataset = load_gsm8k(spec["dataset"], "train", None, None, True)  # the recipe's training set
+        recorded = Recording(spec["recording"]).config
+        optimizer_steps_per_version = (
+            recorded["steps_per_generation"] * recorded["num_iterations"] // recorded["gradient_accumulation_steps"]
+        )
         args = replay_config(
             spec["recording"],
             spec["anchor"],
             spec["out"],
             logging_steps=1,
-            save_strategy="no",
+            # a checkpoint after every generation batch's training step (the last two kept): a job stopped with its
+            # session resumes from the last one every learner saved (`resume_point`), bit for bit; recompute's
+            # anchor is not in a checkpoint taken inside a batch (tests/test_replay.py)
+            save_strategy="steps",
+            save_steps=optimizer_steps_per_version,
+            save_total_limit=2,
             report_to="none",
             disable_tqdm=True,
         )
@@ -220,9 +263,9 @@ def learner_main(spec: dict, conn) -> None:
             callbacks=[Lockstep()],
         )
         conn.send(("ready",))
-        trainer.train()
+        trainer.train(resume_from_checkpoint=spec["resume_from"])
         trainer.save_model(os.path.join(spec["out"], "model"))
-        trainer.save_state()
+        trainer.save_state()  # trainer_state.json in `out`: this learner is trained (`trained`)
         conn.send(("done",))
     except BaseException:
         conn.send(("error", traceback.format_exc()))
@@ -240,13 +283,62 @@ def receive(conn, process, label: str):
     raise RuntimeError(f"learner {label} exited (code {process.exitcode}) without a word; see its train.log")
 
 
+def trained(spec: dict) -> bool:
+    return os.path.exists(os.path.join(spec["out"], "trainer_state.json"))
+
+
+def checkpoints(out: str) -> dict[int, str]:
+    """A learner's complete checkpoints by step (the Trainer writes trainer_state.json last)."""
+    found = {}
+    for name in os.listdir(out) if os.path.isdir(out) else []:
+        path = os.path.join(out, name)
+        if name.startswith("checkpoint-") and os.path.exists(os.path.join(path, "trainer_state.json")):
+            found[int(name.split("-")[1])] = path
+    return found
+
+
+def resume_point(learners: dict[str, dict], steps_path: str) -> int:
+    """The last optimizer step every learner has a checkpoint of (0: start over): set each spec's `resume_from`
+    and keep `steps_path`'s rows up to that step."""
+    saved = [checkpoints(spec["out"]) for spec in learners.values()]
+    common = set.intersection(*(set(found) for found in saved))
+    step = max(common, default=0)
+    for spec, found in zip(learners.values(), saved):
+        spec["resume_from"] = found.get(step)
+    rows = []
+    if step and os.path.exists(steps_path):
+        with open(steps_path) as f:
+            rows = [line for line in f if json.loads(line)["step"] <= step]
+    if len(rows) != step:  # (the rows are written after every learner reported, the checkpoints after that)
+        raise RuntimeError(f"{steps_path} has {len(rows)} rows up to the checkpoints' step {step}: start the job over")
+    with open(steps_path, "w") as f:
+        f.writelines(rows)
+    return step
+
+
+def dot(a, b) -> float:
+    """float64 dot product of two float32 vectors, a slice at a time (whole float64 copies of three learners'
+    updates would take 3 GB). float64: learners differ by ~1e-9 where no token clipped, below float32's rounding
+    over 135M weights (it gave cosine 1.02)."""
+    chunk = 1 << 24
+    return sum((a[i : i + chunk].double() @ b[i : i + chunk].double()).item() for i in range(0, a.numel(), chunk))
+
+
 def lockstep(learners: dict[str, dict], steps_path: str, reference: str) -> None:
-    """Run `learners` (label -> spec) in lockstep; after each optimizer step write one line to `steps_path`: the KL
-    between every two learners both ways (`kl[a][b]` = KL(a || b), nats per held-out token), the cosine between
-    their updates, and each update's norm."""
-    import torch
+    """Train `learners` (label -> spec) in lockstep, from their last common checkpoint; after each optimizer step
+    write one line to `steps_path`: the KL between every two learners both ways (`kl[a][b]` = KL(a || b), nats per
+    held-out token), the cosine between their updates, each update's norm, and the job's training time so far."""
     import torch.multiprocessing as mp
 
+    if all(trained(spec) for spec in learners.values()):
+        return
+    first = resume_point(learners, steps_path)
+    elapsed = 0.0
+    if first:
+        with open(steps_path) as f:
+            elapsed = [json.loads(line) for line in f][-1]["elapsed_s"]
+        print(f"  resuming after step {first}", flush=True)
+    start = time.perf_counter() - elapsed
     context = mp.get_context("spawn")
     processes, connections = {}, {}
     for label, spec in learners.items():
@@ -259,7 +351,7 @@ def lockstep(learners: dict[str, dict], steps_path: str, reference: str) -> None
     try:
         for label in labels:  # loaded (in parallel), waiting for their first turn
             receive(connections[label], processes[label], label)
-        with open(steps_path, "w") as steps:
+        with open(steps_path, "a") as steps:
             while True:
                 messages = {}
                 for label in labels:  # one learner trains at a time: four at once exhausted 24 GB at their peaks
@@ -271,22 +363,21 @@ def lockstep(learners: dict[str, dict], steps_path: str, reference: str) -> None
                 if kinds != {"step"} or len({message[1] for message in messages.values()}) != 1:
                     raise RuntimeError(f"learners out of step: { {k: m[:2] for k, m in messages.items()} }")
                 step = messages[labels[0]][1]
+                updates = {label: message[2] for label, message in messages.items()}
                 # float64: learners differ by ~1e-9 nats where no token clipped, below float32's rounding over a
-                # 49k vocabulary (it gave KL -3e-9) and over 135M weights (cosine 1.02)
-                updates = {label: message[2].double() for label, message in messages.items()}
+                # 49k vocabulary (it gave KL -3e-9)
                 logps = {label: message[3].double() for label, message in messages.items()}
-                norms = {label: updates[label].norm().item() for label in labels}
+                norms = {label: math.sqrt(dot(updates[label], updates[label])) for label in labels}
                 row = {"step": step, "reference": reference, "kl": {}, "cosine": {}, "update_norm": norms}
                 for a in labels:
                     probs = logps[a].exp()
                     row["kl"][a] = {b: (probs * (logps[a] - logps[b])).sum(-1).mean().item() for b in labels if b != a}
                     row["cosine"][a] = {  # None where a learner did not move (a batch whose advantages are all 0)
-                        b: (torch.dot(updates[a], updates[b]) / (norms[a] * norms[b])).item()
-                        if norms[a] * norms[b] > 0
-                        else None
+                        b: dot(updates[a], updates[b]) / (norms[a] * norms[b]) if norms[a] * norms[b] > 0 else None
                         for b in labels
                         if b != a
                     }
+                row["elapsed_s"] = round(time.perf_counter() - start, 1)
                 steps.write(json.dumps(row) + "\n")
                 steps.flush()
                 print(
@@ -306,6 +397,9 @@ def lockstep(learners: dict[str, dict], steps_path: str, reference: str) -> None
             if process.is_alive():
                 process.kill()
                 process.join()
+    for spec in learners.values():  # ~1.6 GB each: only an unfinished job needs them
+        for path in checkpoints(spec["out"]).values():
+            shutil.rmtree(path)
 
 
 def learner_spec(args, base_model: str, recording: str, anchor: str, out: str, threads: int) -> dict:
@@ -317,6 +411,7 @@ def learner_spec(args, base_model: str, recording: str, anchor: str, out: str, t
         "out": out,
         "heldout": heldout_set(args, base_model),
         "threads": threads,
+        "resume_from": None,  # set by `resume_point`
     }
 
 
@@ -347,29 +442,11 @@ def keep_learner_results(out: str, results: str, label: str, steps_path: str) ->
     add_comparisons(os.path.join(results, "trainer_state.json"), steps_path, label)
 
 
-def replay(d: int, seed: int, anchor: str, args, base_model: str) -> None:
-    """The recompute learner and `anchor`'s on one stream, in lockstep (two learners: a job fits a session)."""
-    name = stream_name(d, seed)
-    recording = os.path.join(args.out, "streams", name, "recording")
-    if not os.path.exists(os.path.join(args.out, "streams", name, "result.json")):
-        raise RuntimeError(f"replay:{d}:{seed}:{anchor} needs the stream: run record:{d}:{seed} first")
-    results = os.path.join(args.out, "replays", name, anchor)
-    work = os.path.join(REPO, "outputs", "replay", name, anchor)
-    shutil.rmtree(work, ignore_errors=True)
-    os.makedirs(results, exist_ok=True)
-    learners = {
-        label: learner_spec(args, base_model, recording, label, os.path.join(work, label), args.threads)
-        for label in (RECORDED_METHOD, anchor)
-    }
-    steps_path = os.path.join(results, "steps.jsonl")
-    start = time.perf_counter()
-    print(f"[{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}] replay {name}: {', '.join(learners)}", flush=True)
-    lockstep(learners, steps_path, reference=RECORDED_METHOD)
-    replay_s = time.perf_counter() - start
-    summary = {"stream": name, "max_staleness": d, "seed": seed, "replay_s": round(replay_s, 1), "learners": {}}
-    before = learning.base_accuracy(args, base_model)
-    for label, spec in learners.items():
-        keep_learner_results(spec["out"], os.path.join(results, label), label, steps_path)
+def learner_greedy_accuracy(args, spec: dict) -> dict:
+    """The trained learner's greedy accuracy on the held-out problems (kept in its folder: a resumed job evaluates
+    only the learners it has not)."""
+    path = os.path.join(spec["out"], "greedy_accuracy.json")
+    if not os.path.exists(path):
         after = learning.greedy_accuracy(
             os.path.join(spec["out"], "model"),
             args.dataset,
@@ -377,11 +454,54 @@ def replay(d: int, seed: int, anchor: str, args, base_model: str) -> None:
             args.port + 1,
             os.path.join(spec["out"], "vllm-eval"),
         )
-        with open(os.path.join(results, label, "greedy_eval.json"), "w") as f:
-            json.dump([{"step": 0, **before}, {"step": args.steps, **after}], f, indent=1)
-        summary["learners"][label] = learner_summary(os.path.join(results, label, "trainer_state.json"), after)
-    with open(os.path.join(results, "result.json"), "w") as f:  # written last: marks the job finished
-        json.dump(summary, f, indent=1)
+        with open(path, "w") as f:
+            json.dump(after, f)
+    with open(path) as f:
+        return json.load(f)
+
+
+def replay(d: int, seed: int, replayed: list[str], args, base_model: str) -> None:
+    """The recompute learner and each of `replayed`'s anchors not finished yet on one stream, in lockstep; each
+    anchor's results (with the recompute learner's) in its own folder, as if replayed in a job of two."""
+    name = stream_name(d, seed)
+    recording = os.path.join(args.out, "streams", name, "recording")
+    if not os.path.exists(os.path.join(args.out, "streams", name, "result.json")):
+        raise RuntimeError(f"replaying {name} needs the stream: run record:{d}:{seed} first")
+    replayed = [a for a in replayed if not os.path.exists(os.path.join(args.out, "replays", name, a, "result.json"))]
+    labels = [RECORDED_METHOD, *replayed]
+    # the same learners on the same stream work in the same folder: a stopped job resumes there
+    work = os.path.join(REPO, "outputs", "replay", name, "+".join(labels))
+    learners = {
+        label: learner_spec(args, base_model, recording, label, os.path.join(work, label), args.threads)
+        for label in labels
+    }
+    steps_path = os.path.join(work, "steps.jsonl")
+    print(f"[{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}] replay {name}: {', '.join(labels)}", flush=True)
+    lockstep(learners, steps_path, reference=RECORDED_METHOD)
+    with open(steps_path) as f:
+        replay_s = [json.loads(line) for line in f][-1]["elapsed_s"]
+    before = learning.base_accuracy(args, base_model)
+    after = {label: learner_greedy_accuracy(args, spec) for label, spec in learners.items()}
+    for anchor in replayed:
+        results = os.path.join(args.out, "replays", name, anchor)
+        os.makedirs(results, exist_ok=True)
+        shutil.copy(steps_path, results)
+        summary = {
+            "stream": name,
+            "max_staleness": d,
+            "seed": seed,
+            "replay_s": replay_s,
+            "learners_in_job": labels,
+            "learners": {},
+        }
+        for label in (RECORDED_METHOD, anchor):
+            keep_learner_results(learners[label]["out"], os.path.join(results, label), label, steps_path)
+            with open(os.path.join(results, label, "greedy_eval.json"), "w") as f:
+                json.dump([{"step": 0, **before}, {"step": args.steps, **after[label]}], f, indent=1)
+            state = os.path.join(results, label, "trainer_state.json")
+            summary["learners"][label] = learner_summary(state, after[label])
+        with open(os.path.join(results, "result.json"), "w") as f:  # written last: marks the anchor finished
+            json.dump(summary, f, indent=1)
 
 
 def learner_summary(state_path: str, after: dict) -> dict:
@@ -410,8 +530,7 @@ def scale(d: int, args, base_model: str) -> None:
     if missing:
         raise RuntimeError(f"scale:{d} needs the streams of seeds {missing}: run their record jobs first")
     results = os.path.join(args.out, "scale", f"d{d}")
-    work = os.path.join(REPO, "outputs", "replay", f"scale-d{d}")
-    shutil.rmtree(work, ignore_errors=True)
+    work = os.path.join(REPO, "outputs", "replay", f"scale-d{d}")  # a stopped job resumes there
     os.makedirs(results, exist_ok=True)
     learners = {
         f"s{s}": learner_spec(
@@ -424,10 +543,10 @@ def scale(d: int, args, base_model: str) -> None:
         )
         for s in SCALE_SEEDS
     }
-    start = time.perf_counter()
     print(f"[{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}] scale d{d}: {', '.join(learners)}", flush=True)
-    steps_path = os.path.join(results, "steps.jsonl")
+    steps_path = os.path.join(work, "steps.jsonl")
     lockstep(learners, steps_path, reference=f"s{SCALE_SEEDS[0]}")
+    shutil.copy(steps_path, results)
     for label, spec in learners.items():
         keep_learner_results(spec["out"], os.path.join(results, label), label, steps_path)
     with open(steps_path) as f:
@@ -435,7 +554,7 @@ def scale(d: int, args, base_model: str) -> None:
     pairs = [(a, b) for a in learners for b in learners if a < b]
     summary = {
         "max_staleness": d,
-        "replay_s": round(time.perf_counter() - start, 1),
+        "replay_s": rows[-1]["elapsed_s"],
         "kl_mean": {f"{a}|{b}": statistics.mean(row["kl"][a][b] for row in rows) for a, b in pairs},
         "kl_mean_reverse": {f"{a}|{b}": statistics.mean(row["kl"][b][a] for row in rows) for a, b in pairs},
     }
@@ -515,7 +634,10 @@ def report(args) -> None:
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument(
-        "--only", nargs="+", metavar="JOB", help="these jobs only (record:8:0, replay:8:0:loglinear, scale:8)"
+        "--only",
+        nargs="+",
+        metavar="JOB",
+        help="these jobs only (record:8:0, replay:8:0:loglinear+rollout, replay:8:0:linear, scale:8)",
     )
     parser.add_argument("--report", action="store_true", help="no training: the tables and figure of finished jobs")
     parser.add_argument("--steps", type=int, default=30, help="optimizer steps per recording (the sweep's)")
@@ -534,26 +656,16 @@ def main():
     )
     parser.add_argument("--port", type=int, default=8051, help="recording server; the evaluation server uses +1")
     args = parser.parse_args()
-    jobs = all_jobs()
-    unknown = [job for job in args.only or [] if job not in jobs]
-    if unknown:
-        raise SystemExit(f"--only {' '.join(unknown)}: not a job of this study; jobs are " + " ".join(jobs))
+    jobs = [(job, parse_job(job)) for job in args.only or all_jobs()]  # (a typo fails here, before any work)
     if not args.report:
         if not os.path.exists(learning.VLLM_PYTHON):
             raise SystemExit(f"{learning.VLLM_PYTHON} not found: run `bash scripts/setup.sh --with-vllm` first")
         from trl_a3po import resolve_model
 
         base_model = resolve_model("smollm2-135m-instruct")
-        for job in args.only or jobs:
-            kind, *numbers = job.split(":")
-            d, *rest = numbers
-            d, rest = int(d), [int(r) if r.isdigit() else r for r in rest]
-            done = {
-                "record": lambda s: os.path.join(args.out, "streams", stream_name(d, s), "result.json"),
-                "replay": lambda s, a: os.path.join(args.out, "replays", stream_name(d, s), a, "result.json"),
-                "scale": lambda: os.path.join(args.out, "scale", f"d{d}", "result.json"),
-            }[kind](*rest)
-            if os.path.exists(done):
+        for job, (kind, d, rest) in jobs:
+            finished = result_folders(args.out, kind, d, rest)
+            if all(os.path.exists(os.path.join(folder, "result.json")) for folder in finished):
                 print(f"{job}: finished, skipped", flush=True)
                 continue
             {"record": record, "replay": replay, "scale": scale}[kind](d, *rest, args, base_model)

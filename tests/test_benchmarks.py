@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from testing_utils import vllm_python
 
 
@@ -377,3 +378,39 @@ def test_agentic_benchmark_table_reports_means_and_ratios_to_sync():
     rows = agentic.table(results).splitlines()
     assert rows[2] == "| sync | 2 | 12.0 | 1.00 | 1.0 | 50% | 25% | 3.0 | 1.50 | 0.00 | 1.00 |"
     assert rows[3] == "| a3po | 1 | 9.0 | 0.75 | 1.0 | 50% | 25% | 3.0 | 1.50 | 1.50 | 1.00 |"
+
+
+def test_replay_study_resumes_from_the_last_checkpoint_every_learner_saved(tmp_path, monkeypatch):
+    import importlib.util
+
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))  # (the study imports the sweep's module beside it)
+    spec = importlib.util.spec_from_file_location("replay_study", REPO / "benchmarks" / "replay_study.py")
+    study = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(study)
+    learners = {label: {"out": str(tmp_path / label)} for label in ("recompute", "loglinear")}
+    saved = {"recompute": (2, 4), "loglinear": (4, 6)}  # stopped while loglinear saved step 6: 4 is common
+    for label, steps in saved.items():
+        for step in steps:
+            (tmp_path / label / f"checkpoint-{step}").mkdir(parents=True)
+            (tmp_path / label / f"checkpoint-{step}" / "trainer_state.json").write_text("{}")
+    (tmp_path / "loglinear" / "checkpoint-8").mkdir()  # being written when stopped: no trainer_state.json yet
+    steps_path = tmp_path / "steps.jsonl"
+    steps_path.write_text("".join(json.dumps({"step": step, "elapsed_s": 10.0 * step}) + "\n" for step in range(1, 7)))
+
+    assert study.resume_point(learners, str(steps_path)) == 4
+    assert {label: spec["resume_from"] for label, spec in learners.items()} == {
+        "recompute": str(tmp_path / "recompute" / "checkpoint-4"),
+        "loglinear": str(tmp_path / "loglinear" / "checkpoint-4"),
+    }
+    assert [json.loads(line)["step"] for line in steps_path.read_text().splitlines()] == [1, 2, 3, 4]
+
+    fresh = {"recompute": {"out": str(tmp_path / "none")}}  # nothing saved: start over, no rows kept
+    assert study.resume_point(fresh, str(steps_path)) == 0 and fresh["recompute"]["resume_from"] is None
+    assert steps_path.read_text() == ""
+
+    steps_path.write_text(json.dumps({"step": 1, "elapsed_s": 10.0}) + "\n")  # rows lost: not resumable
+    with pytest.raises(RuntimeError, match="has 1 rows up to the checkpoints' step 4: start the job over"):
+        study.resume_point(learners, str(steps_path))
+    assert study.parse_job("replay:8:0:loglinear+rollout") == ("replay", 8, [0, ["loglinear", "rollout"]])
+    with pytest.raises(SystemExit, match=r"replay:8:0:recompute: recompute\? The anchors to replay beside"):
+        study.parse_job("replay:8:0:recompute")

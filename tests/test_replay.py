@@ -126,6 +126,32 @@ def test_another_anchor_changes_only_the_anchor(tmp_path, tokenizer, prompt_data
     assert by_anchor["rollout"].losses[:first_stale] == recorded.losses[:first_stale]
 
 
+def test_a_replay_resumed_from_a_checkpoint_ends_as_one_run_through(tmp_path, tokenizer, prompt_dataset, recorded):
+    # how the replay study's jobs continue after a stopped session (benchmarks/replay_study.py, `resume_point`)
+    recording = str(tmp_path / "recording")
+
+    def replay_from(anchor, name, checkpoint=None):
+        args = replay_config(recording, anchor, str(tmp_path / name), save_strategy="steps", save_steps=1)
+        data = dict(train_dataset=prompt_dataset, processing_class=tokenizer)
+        trainer = CheckedReplay(str(tmp_path / "initial"), args=args, **data, recording=recording, anchor=anchor)
+        trainer.train(resume_from_checkpoint=checkpoint)
+        return trainer
+
+    # two optimizer steps per generation batch: recompute resumes between batches, loglinear (whose anchor is
+    # computed per micro-batch) anywhere
+    for anchor, step in (("recompute", 4), ("loglinear", 3)):
+        whole = replay_from(anchor, f"{anchor}-whole")
+        resumed = replay_from(anchor, f"{anchor}-resumed", str(tmp_path / f"{anchor}-whole" / f"checkpoint-{step}"))
+        assert resumed.losses == whole.losses[step:] and len(whole.losses) == 8
+        for (version, inputs), (whole_version, whole_inputs) in zip(resumed.loss_inputs, whole.loss_inputs[step:]):
+            assert version == whole_version
+            assert [key for key, value in whole_inputs.items() if not torch.equal(inputs[key], value)] == []
+        final, expected = weights(resumed), weights(whole)
+        assert all(torch.equal(final[name], expected[name]) for name in expected)
+    with pytest.raises(ValueError, match=r"checkpoint-3 was saved after optimizer step 3, inside a generation batch"):
+        replay_from("recompute", "inside", str(tmp_path / "recompute-whole" / "checkpoint-3"))
+
+
 def test_a_replay_refuses_another_layout_or_other_initial_weights(tmp_path, tokenizer, prompt_dataset, recorded):
     recording = str(tmp_path / "recording")
 

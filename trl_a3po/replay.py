@@ -15,8 +15,11 @@ learners did not all choose.
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import torch
+from transformers import TrainerState
+from transformers.trainer_utils import get_last_checkpoint
 
 from .config import A3POConfig
 from .proximal import PROX_APPROXIMATIONS
@@ -120,6 +123,29 @@ class ReplayTrainer(A3POTrainer):
                 f"the model's weights are not {recording}'s initial weights (parameter fingerprint {fingerprint[:12]} "
                 f"vs {self.recording.manifest['initial_weights'][:12]}): start from the model the recorded run "
                 "started from."
+            )
+
+    def train(self, resume_from_checkpoint=None, *args, **kwargs):
+        if resume_from_checkpoint and self.args.prox_logp_method == "recompute":
+            self._check_resumable(resume_from_checkpoint)
+        return super().train(resume_from_checkpoint, *args, **kwargs)
+
+    def _check_resumable(self, checkpoint) -> None:
+        """Recompute's anchor is the weights at the start of a generation batch's training step; a checkpoint inside
+        one holds later weights, and a replay resumed there would anchor the rest of the batch differently from the
+        run it replays."""
+        if checkpoint is True:
+            checkpoint = get_last_checkpoint(self.args.output_dir)
+        state_path = os.path.join(str(checkpoint), "trainer_state.json")
+        if checkpoint is None or not os.path.exists(state_path):
+            return  # the Trainer's own error names it
+        step = TrainerState.load_from_json(state_path).global_step
+        per_version = self._optimizer_steps_per_version
+        if step % per_version:
+            raise ValueError(
+                f"{checkpoint} was saved after optimizer step {step}, inside a generation batch ({per_version} "
+                "optimizer steps each): recompute's proximal policy is the weights at the batch's start, which it "
+                f"does not hold. Resume from a checkpoint at a multiple of {per_version} (save_steps={per_version})."
             )
 
     def _start_rollout(self):
