@@ -17,10 +17,10 @@ recompute intervals came out 5-20x wider than the difference in question. Here t
                   process compares them: the KL between their next-token distributions on a fixed held-out set (both
                   directions, nats per token) and the cosine between their updates (this step's change of all
                   weights). Then every learner's greedy accuracy on the 200 held-out problems. The study's jobs are
-                  loglinear+rollout per stream (three learners, ~1.7 h alone), then linear's: one recompute learner
+                  loglinear+rollout per stream (three learners, ~2 h alone), then linear's: one recompute learner
                   serves both comparisons (a replay is deterministic: on one machine and thread count, the recompute
-                  learner of every job is the same, bit for bit). Each anchor's results, with the recompute learner's, in
-                  `benchmarks/runs/replay/replays/dD-sSEED/ANCHOR/`.
+                  learner of every job is the same, bit for bit). Each anchor's results, with the recompute
+                  learner's, in `benchmarks/runs/replay/replays/dD-sSEED/ANCHOR/`.
   scale:D         for scale, the same KL between closed-loop runs of one method with different seeds: the recompute
                   replays of the streams of seeds 0 and 1 at D, in lockstep (each reproduces its closed-loop recording
                   run up to float rounding: a replay of the recorded anchor is that run, bit for bit, when its thread
