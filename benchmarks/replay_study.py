@@ -311,6 +311,7 @@ def resume_point(learners: dict[str, dict], steps_path: str) -> int:
             rows = [line for line in f if json.loads(line)["step"] <= step]
     if len(rows) != step:  # (the rows are written after every learner reported, the checkpoints after that)
         raise RuntimeError(f"{steps_path} has {len(rows)} rows up to the checkpoints' step {step}: start the job over")
+    os.makedirs(os.path.dirname(steps_path), exist_ok=True)  # a new job: its folder does not exist yet
     with open(steps_path, "w") as f:
         f.writelines(rows)
     return step

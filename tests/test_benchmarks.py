@@ -407,6 +407,8 @@ def test_replay_study_resumes_from_the_last_checkpoint_every_learner_saved(tmp_p
     fresh = {"recompute": {"out": str(tmp_path / "none")}}  # nothing saved: start over, no rows kept
     assert study.resume_point(fresh, str(steps_path)) == 0 and fresh["recompute"]["resume_from"] is None
     assert steps_path.read_text() == ""
+    new_job = tmp_path / "new-job" / "steps.jsonl"  # a job never started: its folder is made
+    assert study.resume_point(fresh, str(new_job)) == 0 and new_job.read_text() == ""
 
     steps_path.write_text(json.dumps({"step": 1, "elapsed_s": 10.0}) + "\n")  # rows lost: not resumable
     with pytest.raises(RuntimeError, match="has 1 rows up to the checkpoints' step 4: start the job over"):
