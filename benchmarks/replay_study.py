@@ -47,6 +47,7 @@ import math
 import multiprocessing.connection
 import os
 import shutil
+import signal
 import statistics
 import sys
 import time
@@ -664,6 +665,9 @@ def main():
         from trl_a3po import resolve_model
 
         base_model = resolve_model("smollm2-135m-instruct")
+        # `kill` (how a long run is stopped) unwinds like Ctrl-C: the learners and servers are stopped on the way out
+        # rather than left training with no one to answer (a learner it orphaned ran on until its next report)
+        signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(f"stopped by signal {signum}"))
         for job, (kind, d, rest) in jobs:
             finished = result_folders(args.out, kind, d, rest)
             if all(os.path.exists(os.path.join(folder, "result.json")) for folder in finished):
