@@ -27,7 +27,7 @@ recompute intervals came out 5-20x wider than the difference in question. Here t
                   count matches; tests/test_replay.py). `benchmarks/runs/replay/scale/dD/`.
 Resumable: a finished job is skipped; an unfinished replay or scale job continues from the last generation batch
 every learner checkpointed in outputs/replay/ (bit for bit, tests/test_replay.py), or starts over where there is none
-(a fresh machine).
+(a fresh machine). Stop it with Ctrl-C or `kill`: either stops its learners and servers too.
 The held-out set for the KL: the first 32 held-out problems, each with one completion the base model sampled once
 (32 tokens, temperature 1, seed 0; `heldout.pt`), teacher-forced: KL over the next-token distribution at each of
 its tokens.
