@@ -100,3 +100,11 @@ def test_seed_bands_are_clipped_to_the_quantity_range():
     )
     assert clipped_band([0.01], [0.02], RANGES["a3po/prox_time_s"]) == ([0.0], [0.03])  # no upper limit
     assert clipped_band([-0.5], [1.0], RANGES.get("reward")) == ([-1.5], [0.5])  # the total reward: unclipped
+
+
+def test_a_log_axis_band_spans_the_lowest_to_the_highest_run():
+    from trl_a3po.plot import spread_band
+
+    # two replays' KL: one parts from its reference at step 2, the other at step 3 (mean - std < 0 at both)
+    curves = [([1, 2, 3], [1e-9, 1e-3, 1e-2]), ([1, 2, 3, 4], [2e-9, 1e-9, 1e-3, 5e-3])]
+    assert spread_band(curves) == ([1e-9, 1e-9, 1e-3], [2e-9, 1e-3, 1e-2])

@@ -3,7 +3,9 @@
 Each RUN_DIR holds a `trainer_state.json` (the recipe saves one; so does every checkpoint). Runs are labelled by
 their method (sync / recompute / loglinear / metrics, from the run's saved training arguments) or by
 `--labels`. One PNG per figure, one curve per label: runs that share a label (seeds of one method) are drawn as
-their mean with a band of +- one standard deviation, clipped to the quantity's range (`RANGES`). One PNG per figure:
+their mean with a band of +- one standard deviation, clipped to the quantity's range (`RANGES`); on a log axis
+(`LOG_AXIS`) the band spans the lowest to the highest run instead (mean - std is below 0 there as soon as the runs
+differ by more than their mean, and would draw nothing). One PNG per figure:
   fig1_prox_time.png        seconds spent on proximal log-probs per optimizer step
   fig2_reward_wallclock.png training reward vs wall-clock
   fig2b_reward_step.png     training reward vs optimizer step
@@ -62,6 +64,8 @@ RANGES = {
     "clip_ratio/region_mean": (0.0, 1.0),
     "replay/kl_reference_learner": (0.0, None),
 }
+# figures drawn on a log y-axis: KLs that grow from ~1e-9 (float rounding) to ~1e-1 over a run
+LOG_AXIS = {"fig7_replay_kl"}
 
 
 def clipped_band(mean: list[float], std: list[float], bounds: tuple[float | None, float | None] | None):
@@ -70,6 +74,12 @@ def clipped_band(mean: list[float], std: list[float], bounds: tuple[float | None
     lower = [m - s if low is None else max(m - s, low) for m, s in zip(mean, std)]
     upper = [m + s if high is None else min(m + s, high) for m, s in zip(mean, std)]
     return lower, upper
+
+
+def spread_band(curves: list[tuple[list[float], list[float]]]) -> tuple[list[float], list[float]]:
+    """(lowest, highest) run at each common point (the k-th logged point of every run)."""
+    n = min(len(ys) for _, ys in curves)
+    return [min(ys[i] for _, ys in curves) for i in range(n)], [max(ys[i] for _, ys in curves) for i in range(n)]
 
 
 def load_history(run_dir: str) -> list[dict]:
@@ -161,16 +171,15 @@ def plot_runs(run_dirs: list[str], out_dir: str, labels: list[str] | None = None
                 seeds = f", {len(curves)} runs" if len(curves) > 1 else ""
                 (line,) = ax.plot(xs, mean, marker="." if len(xs) < 50 else None, label=label + suffix + seeds)
                 if len(curves) > 1:
-                    ax.fill_between(
-                        xs, *clipped_band(mean, std, RANGES.get(key)), color=line.get_color(), alpha=0.2, linewidth=0
-                    )
+                    band = spread_band(curves) if name in LOG_AXIS else clipped_band(mean, std, RANGES.get(key))
+                    ax.fill_between(xs, *band, color=line.get_color(), alpha=0.2, linewidth=0)
                 drawn += 1
         if not drawn:
             ax.text(0.5, 0.5, "not in these logs", ha="center", va="center", transform=ax.transAxes)
         ax.set(title=title, xlabel="wall-clock (s)" if x_axis == "wall" else "optimizer step", ylabel=ylabel)
         if name == "fig1_prox_time" and drawn:
             ax.set_yscale("symlog", linthresh=1e-4)
-        if name == "fig7_replay_kl" and drawn:
+        if name in LOG_AXIS and drawn:
             ax.set_yscale("log")
         if drawn:
             ax.legend()
