@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import subprocess
+import tempfile
 import time
 
 import requests
@@ -31,7 +33,8 @@ def local_vllm_server(
     `dev_mode` says and processed log-probs, and nothing else (for the tests of servers started without what the
     backend needs). Yields its base URL once `/health` answers; on exit stops its whole process group, so vLLM's
     engine and worker processes do not outlive it. `python` is a Python that has vLLM and TRL
-    (`.venv-vllm/bin/python`, scripts/install_vllm_cpu.sh); caches, RPC sockets and `server.log` go to `workdir`."""
+    (`.venv-vllm/bin/python`, scripts/install_vllm_cpu.sh); caches and `server.log` go to `workdir`, the RPC sockets
+    to a temporary folder under /tmp (a socket's path has at most 107 characters: a deep `workdir` ran past it)."""
     python = os.path.abspath(python)  # the server runs in `workdir`
     if launcher == "trl":
         if not dev_mode:
@@ -75,15 +78,15 @@ def local_vllm_server(
         ]
     else:
         raise ValueError(f"launcher={launcher!r}: 'trl' or 'vllm'")
-    for folder in ("cache", "rpc"):
-        os.makedirs(os.path.join(workdir, folder), exist_ok=True)
+    os.makedirs(os.path.join(workdir, "cache"), exist_ok=True)
+    rpc = tempfile.mkdtemp(prefix="vllm-rpc-", dir="/tmp")
     env = {
         "VLLM_CPU_KVCACHE_SPACE": "1",
         **os.environ,
         **(env or {}),
         "VLLM_SERVER_DEV_MODE": "1" if dev_mode else "0",
         "VLLM_CACHE_ROOT": os.path.join(workdir, "cache"),
-        "VLLM_RPC_BASE_PATH": os.path.join(workdir, "rpc"),
+        "VLLM_RPC_BASE_PATH": rpc,
     }
     log_path = os.path.join(workdir, "server.log")
     with open(log_path, "w") as log:
@@ -121,3 +124,4 @@ def local_vllm_server(
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(server.pid, signal.SIGKILL)
             server.wait()
+        shutil.rmtree(rpc, ignore_errors=True)
