@@ -89,17 +89,18 @@ def local_vllm_server(
         "VLLM_RPC_BASE_PATH": rpc,
     }
     log_path = os.path.join(workdir, "server.log")
-    with open(log_path, "w") as log:
-        server = subprocess.Popen(
-            [*command, *extra_args],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env=env,
-            cwd=workdir,
-            start_new_session=True,
-        )
     url = f"http://127.0.0.1:{port}"
+    server = None
     try:
+        with open(log_path, "w") as log:
+            server = subprocess.Popen(
+                [*command, *extra_args],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env,
+                cwd=workdir,
+                start_new_session=True,
+            )
         deadline = time.monotonic() + timeout_s
         while True:
             if server.poll() is not None:
@@ -116,12 +117,13 @@ def local_vllm_server(
             time.sleep(1)
         yield url
     finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(server.pid, signal.SIGTERM)
-        try:
-            server.wait(60)
-        except subprocess.TimeoutExpired:
+        if server is not None:  # (None: it did not start, e.g. no such executable)
             with contextlib.suppress(ProcessLookupError):
-                os.killpg(server.pid, signal.SIGKILL)
-            server.wait()
+                os.killpg(server.pid, signal.SIGTERM)
+            try:
+                server.wait(60)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(server.pid, signal.SIGKILL)
+                server.wait()
         shutil.rmtree(rpc, ignore_errors=True)

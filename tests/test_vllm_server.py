@@ -176,6 +176,22 @@ def server_vs_trainer_logprob_error(backend, trainer, prompt):
     return max(errors)
 
 
+def test_a_server_that_cannot_start_leaves_no_socket_folder(tmp_path, monkeypatch):
+    made = []
+    real_mkdtemp = tempfile.mkdtemp
+
+    def recorded_mkdtemp(*args, **kwargs):
+        made.append(real_mkdtemp(*args, **kwargs))
+        return made[-1]
+
+    monkeypatch.setattr(tempfile, "mkdtemp", recorded_mkdtemp)
+    with pytest.raises(FileNotFoundError):
+        with local_vllm_server(str(tmp_path / "no-venv" / "bin" / "python"), "model", free_port(), str(tmp_path)):
+            pass
+    assert len(made) == 1 and made[0].startswith("/tmp/vllm-rpc-")
+    assert not os.path.exists(made[0])
+
+
 def test_disk_sync_makes_the_server_match_the_trainers_weights(tmp_path, vllm_server, prompt_dataset):
     trainer = make_trainer(tmp_path, vllm_server, prompt_dataset)
     backend = VLLMServerBackend.from_config(trainer.args, list(trainer.eos_token_ids))
