@@ -574,6 +574,15 @@ def load(path: str) -> dict | None:
         return json.load(f)
 
 
+def update_norm_ratio(steps_path: str, anchor: str) -> float:
+    """How far a learner moved over a job, against the recompute learner: the sum of its per-step update norms over
+    recompute's (Adam's step size is the same for both; an anchor changes where a learner goes, not how far)."""
+    with open(steps_path) as f:
+        rows = [json.loads(line) for line in f]
+    moved = math.fsum(row["update_norm"][anchor] for row in rows)
+    return moved / math.fsum(row["update_norm"][RECORDED_METHOD] for row in rows)
+
+
 def report(args) -> None:
     print(
         f"Replay study: greedy accuracy on the {args.eval_limit} held-out problems after {args.steps} steps, each "
@@ -581,9 +590,10 @@ def report(args) -> None:
         "recompute learner on the held-out set (nats/token, mean over steps and streams)"
     )
     header = f"{'d':>2} {'anchor':<10} {'streams':>7}  {'greedy':<14} {'recompute':<14} {'KL(rec||x)':>10}"
-    print(header + f" {'KL(x||rec)':>10} {'cos(upd)':>8} {'clipped':>8} {'capped':>8}")
+    print(header + f" {'KL(x||rec)':>10} {'cos(upd)':>8} {'upd/rec':>8} {'clipped':>8} {'capped':>8}")
     figure_runs, figure_labels, differences = [], [], []
     for d in STALENESS:
+        anchor_kl = {}  # anchor -> its mean KL(recompute || anchor), against the seed-to-seed KL below
         for anchor in anchors():
             if anchor == RECORDED_METHOD:
                 continue
@@ -605,10 +615,17 @@ def report(args) -> None:
 
             greedy = [row["greedy_after"] for row in rows]
             greedy_reference = [row["greedy_after"] for row in references]
+            moved = statistics.mean(
+                update_norm_ratio(os.path.join(job, "steps.jsonl"), anchor)
+                for job in jobs
+                if os.path.exists(os.path.join(job, "result.json"))
+            )
+            anchor_kl[anchor] = average("kl_reference_learner")
             print(
                 f"{d:>2} {anchor:<10} {len(rows):>7}  {spread(greedy):<14} {spread(greedy_reference):<14} "
-                f"{average('kl_reference_learner'):>10.2e} {average('kl_learner_reference'):>10.2e} "
-                f"{average('update_cosine'):>8.4f} {average('clip_frac'):>8.4f} {average('capped_frac'):>8.4f}"
+                f"{anchor_kl[anchor]:>10.2e} {average('kl_learner_reference'):>10.2e} "
+                f"{average('update_cosine'):>8.4f} {moved:>8.3f} {average('clip_frac'):>8.4f} "
+                f"{average('capped_frac'):>8.4f}"
             )
             diffs = [a - b for a, b in zip(greedy, greedy_reference)]
             differences.append(f"   d={d} {anchor} - {RECORDED_METHOD}: {learning.paired_difference(diffs)}")
@@ -620,8 +637,12 @@ def report(args) -> None:
         if seed_scale:
             (pair, kl), *_ = seed_scale["kl_mean"].items()
             differences.append(f"   d={d} seed to seed ({pair}, closed-loop recompute runs): KL {kl:.2e} nats/token")
-            figure_runs.append(os.path.join(args.out, "scale", f"d{d}", pair.split("|")[1]))
-            figure_labels.append(f"d={d} seed to seed")
+            for anchor, anchor_mean in anchor_kl.items():  # the study's goal: each anchor's KL 10x below this
+                differences.append(f"     {anchor}'s KL to recompute: {anchor_mean / kl:.3g} x the seed-to-seed KL")
+            learner = os.path.join(args.out, "scale", f"d{d}", pair.split("|")[1])
+            if os.path.exists(os.path.join(learner, "trainer_state.json")):
+                figure_runs.append(learner)
+                figure_labels.append(f"d={d} seed to seed")
         else:
             differences.append(f"   d={d} seed to seed: not measured yet (scale:{d})")
     print("Paired differences of greedy accuracy (same stream), 95% interval over streams:")

@@ -380,13 +380,18 @@ def test_agentic_benchmark_table_reports_means_and_ratios_to_sync():
     assert rows[3] == "| a3po | 1 | 9.0 | 0.75 | 1.0 | 50% | 25% | 3.0 | 1.50 | 1.50 | 1.00 |"
 
 
-def test_replay_study_resumes_from_the_last_checkpoint_every_learner_saved(tmp_path, monkeypatch):
+def load_replay_study(monkeypatch):
     import importlib.util
 
     monkeypatch.syspath_prepend(str(REPO / "benchmarks"))  # (the study imports the sweep's module beside it)
     spec = importlib.util.spec_from_file_location("replay_study", REPO / "benchmarks" / "replay_study.py")
     study = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(study)
+    return study
+
+
+def test_replay_study_resumes_from_the_last_checkpoint_every_learner_saved(tmp_path, monkeypatch):
+    study = load_replay_study(monkeypatch)
     learners = {label: {"out": str(tmp_path / label)} for label in ("recompute", "loglinear")}
     saved = {"recompute": (2, 4), "loglinear": (4, 6)}  # stopped while loglinear saved step 6: 4 is common
     for label, steps in saved.items():
@@ -416,3 +421,41 @@ def test_replay_study_resumes_from_the_last_checkpoint_every_learner_saved(tmp_p
     assert study.parse_job("replay:8:0:loglinear+rollout") == ("replay", 8, [0, ["loglinear", "rollout"]])
     with pytest.raises(SystemExit, match=r"replay:8:0:recompute: recompute\? The anchors to replay beside"):
         study.parse_job("replay:8:0:recompute")
+
+
+def test_replay_study_report_pairs_streams_and_sets_the_kl_against_the_seed_to_seed_kl(tmp_path, monkeypatch, capsys):
+    import argparse
+
+    study = load_replay_study(monkeypatch)
+
+    def learner(greedy, kl=None, cosine=None):
+        return {
+            "greedy_after": greedy,
+            "kl_reference_learner": kl,
+            "kl_learner_reference": None if kl is None else kl / 2,
+            "update_cosine": cosine,
+            "clip_frac": 0.01,
+            "capped_frac": 0.0,
+        }
+
+    streams = [(0.5, 0.4, 0.02, (2.0, 1.0)), (0.6, 0.4, 0.04, (1.0, 1.0))]  # greedy, recompute's, KL, update norms
+    for seed, (greedy, reference, kl, norms) in enumerate(streams):
+        job = tmp_path / "replays" / f"d8-s{seed}" / "loglinear"
+        job.mkdir(parents=True)
+        learners = {"recompute": learner(reference), "loglinear": learner(greedy, kl, 0.9)}
+        (job / "result.json").write_text(json.dumps({"learners": learners}))
+        rows = [{"step": 1, "update_norm": {"recompute": 1.0, "loglinear": norms[0]}}]
+        rows.append({"step": 2, "update_norm": {"recompute": 1.0, "loglinear": norms[1]}})
+        (job / "steps.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    (tmp_path / "scale" / "d8").mkdir(parents=True)
+    (tmp_path / "scale" / "d8" / "result.json").write_text(json.dumps({"kl_mean": {"s0|s1": 0.3}}))
+    args = argparse.Namespace(out=str(tmp_path), eval_limit=200, steps=30, figures=str(tmp_path / "figures"))
+
+    study.report(args)
+    lines = capsys.readouterr().out.splitlines()
+    # greedy 0.55 +- 0.071 vs 0.4; KL (0.02 + 0.04) / 2; moved (3/2 + 2/2) / 2 = 1.25 of recompute's distance
+    row = " 8 loglinear        2  0.550 +- 0.071 0.400 +- 0.000   3.00e-02   1.50e-02   0.9000    1.250   0.0100"
+    assert row + "   0.0000" in lines
+    assert "   d=8 loglinear - recompute: +0.150 +- 0.050 (SE), 95% [-0.485, +0.785], 2 seeds" in lines
+    assert "     loglinear's KL to recompute: 0.1 x the seed-to-seed KL" in lines
+    assert not (tmp_path / "figures").exists()  # no learner's log among the results: nothing to draw
