@@ -598,9 +598,10 @@ def report(args) -> None:
             if anchor == RECORDED_METHOD:
                 continue
             jobs = [os.path.join(args.out, "replays", stream_name(d, s), anchor) for s in SEEDS]
-            results = [r for r in (load(os.path.join(job, "result.json")) for job in jobs) if r]
-            if not results:
+            jobs = [job for job in jobs if os.path.exists(os.path.join(job, "result.json"))]  # the finished ones
+            if not jobs:
                 continue
+            results = [load(os.path.join(job, "result.json")) for job in jobs]
             rows = [r["learners"][anchor] for r in results]
             references = [r["learners"][RECORDED_METHOD] for r in results]
 
@@ -615,11 +616,7 @@ def report(args) -> None:
 
             greedy = [row["greedy_after"] for row in rows]
             greedy_reference = [row["greedy_after"] for row in references]
-            moved = statistics.mean(
-                update_norm_ratio(os.path.join(job, "steps.jsonl"), anchor)
-                for job in jobs
-                if os.path.exists(os.path.join(job, "result.json"))
-            )
+            moved = statistics.mean(update_norm_ratio(os.path.join(job, "steps.jsonl"), anchor) for job in jobs)
             anchor_kl[anchor] = average("kl_reference_learner")
             print(
                 f"{d:>2} {anchor:<10} {len(rows):>7}  {spread(greedy):<14} {spread(greedy_reference):<14} "
