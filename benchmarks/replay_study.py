@@ -583,7 +583,23 @@ def update_norm_ratio(steps_path: str, anchor: str) -> float:
     return moved / math.fsum(row["update_norm"][RECORDED_METHOD] for row in rows)
 
 
+def report_streams(args) -> None:
+    """The recorded streams: each recording run's own learning (its greedy accuracy is recompute's learner's on that
+    stream in every replay job), and the share of its tokens at the staleness bound."""
+    print("Recorded streams (prox_logp_method=recompute; the recording runs themselves):")
+    print(f"{'stream':<7} {'greedy before -> after':<23} {'accuracy reward first 3 -> last 3 steps':<40} tokens at d")
+    for d in STALENESS:
+        for seed in SEEDS:
+            run = load(os.path.join(args.out, "streams", stream_name(d, seed), "result.json"))
+            if run is None:
+                continue
+            greedy = f"{run['greedy_before']:.3f} -> {run['greedy_after']:.3f}"
+            reward = f"{run['accuracy_reward_first3']:.3f} -> {run['accuracy_reward_last3']:.3f}"
+            print(f"{stream_name(d, seed):<7} {greedy:<23} {reward:<40} {run['staleness_share'][str(d)]:.2f}")
+
+
 def report(args) -> None:
+    report_streams(args)
     print(
         f"Replay study: greedy accuracy on the {args.eval_limit} held-out problems after {args.steps} steps, each "
         "anchor's learner and the recompute learner of the same job (mean +- std over streams); per-step KL to that "

@@ -449,10 +449,16 @@ def test_replay_study_report_pairs_streams_and_sets_the_kl_against_the_seed_to_s
         (job / "steps.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
     (tmp_path / "scale" / "d8").mkdir(parents=True)
     (tmp_path / "scale" / "d8" / "result.json").write_text(json.dumps({"kl_mean": {"s0|s1": 0.3}}))
+    recording_run = {"greedy_before": 0.13, "greedy_after": 0.4, "accuracy_reward_first3": 0.01}
+    recording_run |= {"accuracy_reward_last3": 0.25, "staleness_share": {"0": 0.5, "8": 0.5}}
+    (tmp_path / "streams" / "d8-s1").mkdir(parents=True)  # (stream d8-s0 not recorded: no row)
+    (tmp_path / "streams" / "d8-s1" / "result.json").write_text(json.dumps(recording_run))
     args = argparse.Namespace(out=str(tmp_path), eval_limit=200, steps=30, figures=str(tmp_path / "figures"))
 
     study.report(args)
     lines = capsys.readouterr().out.splitlines()
+    assert lines[2] == f"d8-s1   {'0.130 -> 0.400':<23} {'0.010 -> 0.250':<40} 0.50"  # the recorded run's own
+    assert lines[3].startswith("Replay study: greedy accuracy")  # (one row: the stream not recorded has none)
     # greedy 0.55 +- 0.071 vs 0.4; KL (0.02 + 0.04) / 2; moved (3/2 + 2/2) / 2 = 1.25 of recompute's distance
     row = " 8 loglinear        2  0.550 +- 0.071 0.400 +- 0.000   3.00e-02   1.50e-02   0.9000    1.250   0.0100"
     assert row + "   0.0000" in lines
