@@ -583,6 +583,33 @@ def update_norm_ratio(steps_path: str, anchor: str) -> float:
     return moved / math.fsum(row["update_norm"][RECORDED_METHOD] for row in rows)
 
 
+def logged_steps(state_path: str) -> list[tuple] | None:
+    """A run's (step, loss, grad norm) at every logged optimizer step, from its trainer_state.json."""
+    state = load(state_path)
+    if state is None:
+        return None
+    return [(row["step"], row["loss"], row["grad_norm"]) for row in state["log_history"] if "loss" in row]
+
+
+def report_reproduction(args, jobs: list[str]) -> None:
+    """Replaying the recorded anchor must reproduce the recorded run: every replay job's recompute learner against its
+    stream's recording run, step by step (the round-trip test's invariant, checked on the study's own runs)."""
+    same, differ = 0, []
+    for job in jobs:
+        stream = os.path.basename(os.path.dirname(job))
+        recorded = logged_steps(os.path.join(args.out, "streams", stream, "trainer_state.json"))
+        replayed = logged_steps(os.path.join(job, RECORDED_METHOD, "trainer_state.json"))
+        if recorded is None or replayed is None:
+            continue
+        if recorded == replayed:
+            same += 1
+        else:
+            differ.append(os.path.relpath(job, os.path.join(args.out, "replays")))
+    if same or differ:
+        line = f"Recompute learners equal to their recorded runs (loss and grad norm, every step): {same} of "
+        print(line + f"{same + len(differ)} replay jobs" + (f"; not: {', '.join(differ)}" if differ else ""))
+
+
 def report_streams(args) -> None:
     """The recorded streams: each recording run's own learning (its greedy accuracy is recompute's learner's on that
     stream in every replay job), and the share of its tokens at the staleness bound."""
@@ -607,7 +634,7 @@ def report(args) -> None:
     )
     header = f"{'d':>2} {'anchor':<10} {'streams':>7}  {'greedy':<14} {'recompute':<14} {'KL(rec||x)':>10}"
     print(header + f" {'KL(x||rec)':>10} {'cos(upd)':>8} {'upd/rec':>8} {'clipped':>8} {'capped':>8}")
-    figure_runs, figure_labels, differences = [], [], []
+    figure_runs, figure_labels, differences, finished_jobs = [], [], [], []
     for d in STALENESS:
         anchor_kl = {}  # anchor -> its mean KL(recompute || anchor), against the seed-to-seed KL below
         for anchor in anchors():
@@ -617,6 +644,7 @@ def report(args) -> None:
             jobs = [job for job in jobs if os.path.exists(os.path.join(job, "result.json"))]  # the finished ones
             if not jobs:
                 continue
+            finished_jobs += jobs
             results = [load(os.path.join(job, "result.json")) for job in jobs]
             rows = [r["learners"][anchor] for r in results]
             references = [r["learners"][RECORDED_METHOD] for r in results]
@@ -658,6 +686,7 @@ def report(args) -> None:
                 figure_labels.append(f"d={d} seed to seed")
         else:
             differences.append(f"   d={d} seed to seed: not measured yet (scale:{d})")
+    report_reproduction(args, finished_jobs)
     print("Paired differences of greedy accuracy (same stream), 95% interval over streams:")
     print("\n".join(differences))
     if figure_runs:

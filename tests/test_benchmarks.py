@@ -453,6 +453,18 @@ def test_replay_study_report_pairs_streams_and_sets_the_kl_against_the_seed_to_s
     recording_run |= {"accuracy_reward_last3": 0.25, "staleness_share": {"0": 0.5, "8": 0.5}}
     (tmp_path / "streams" / "d8-s1").mkdir(parents=True)  # (stream d8-s0 not recorded: no row)
     (tmp_path / "streams" / "d8-s1" / "result.json").write_text(json.dumps(recording_run))
+
+    def trainer_state(path, losses):  # a run's log: one row per optimizer step, then the Trainer's summary row
+        rows = [{"step": i + 1, "loss": loss, "grad_norm": 1.0} for i, loss in enumerate(losses)]
+        path.write_text(json.dumps({"log_history": rows + [{"step": len(losses), "train_runtime": 9.0}]}))
+
+    (tmp_path / "streams" / "d8-s0").mkdir(parents=True)
+    for seed, replayed_losses in enumerate([[0.1, 0.3], [0.1, 0.2]]):  # d8-s0's learner differs at step 2
+        trainer_state(tmp_path / "streams" / f"d8-s{seed}" / "trainer_state.json", [0.1, 0.2])
+        (tmp_path / "replays" / f"d8-s{seed}" / "loglinear" / "recompute").mkdir()
+        trainer_state(
+            tmp_path / "replays" / f"d8-s{seed}" / "loglinear" / "recompute" / "trainer_state.json", replayed_losses
+        )
     args = argparse.Namespace(out=str(tmp_path), eval_limit=200, steps=30, figures=str(tmp_path / "figures"))
 
     study.report(args)
@@ -462,6 +474,8 @@ def test_replay_study_report_pairs_streams_and_sets_the_kl_against_the_seed_to_s
     # greedy 0.55 +- 0.071 vs 0.4; KL (0.02 + 0.04) / 2; moved (3/2 + 2/2) / 2 = 1.25 of recompute's distance
     row = " 8 loglinear        2  0.550 +- 0.071 0.400 +- 0.000   3.00e-02   1.50e-02   0.9000    1.250   0.0100"
     assert row + "   0.0000" in lines
+    reproduced = "Recompute learners equal to their recorded runs (loss and grad norm, every step): 1 of 2 replay jobs"
+    assert reproduced + "; not: d8-s0/loglinear" in lines
     assert "   d=8 loglinear - recompute: +0.150 +- 0.050 (SE), 95% [-0.485, +0.785], 2 seeds" in lines
     assert "     loglinear's KL to recompute: 0.1 x the seed-to-seed KL" in lines
     assert not (tmp_path / "figures").exists()  # no learner's log among the results: nothing to draw
